@@ -1,0 +1,22 @@
+# The two commands a newcomer needs: `make demo` and `make test`.
+# Both set everything up first (a .venv with CPU torch where there is no GPU).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lint bench clean
+
+setup:
+	./scripts/setup.sh
+
+demo: setup
+	$(PY) -m gossipnet.cli demo
+
+test: setup
+	$(PY) -m ruff check gossipnet tests bench examples
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,124 @@
+"""Every knob in one frozen dataclass.
+
+Units are in the names (``_s`` seconds, ``_bytes``, ``_packets``).  Values
+are validated in ``__post_init__`` so a bad setting fails at ``join()``
+with a message, not deep in a round.  ``Config.replace(**kw)`` derives a
+variant; ``join(**overrides)`` uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ("Config",)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """gossipnet's settings, with defaults that suit a LAN or loopback.
+
+    Identity
+        run: run id; packets of another run are dropped (also mixed into the MAC).
+        peer_id: stable name of this peer; ``None`` derives one (``rank<N>`` under
+            torchrun, else a random hex id).
+    Transport
+        chunk_bytes: payload bytes per data packet; ``None`` takes the backend's
+            default (64 KiB for ZeroMQ, 1400 B for UDP so a datagram fits one MTU).
+        send_queue_packets: per-destination send queue; a full queue drops the packet.
+        recv_queue_packets: receive queue before the kernel/ZeroMQ drops.
+        udp_socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF asked for UDP sockets.
+        use_uvloop: run the event loop on uvloop when it is installed.
+    Wire
+        max_header_bytes: larger msgpack headers are dropped before parsing.
+        max_payload_bytes: larger payloads are dropped before any copy.
+        replay_window_packets: sliding window of accepted sequence numbers per sender.
+        mac: ``"hmac-sha256"`` (fast with SHA extensions) or ``"blake2b"``.
+        reject_log_interval_s: at most one log line per reject reason per interval.
+    Membership
+        heartbeat_interval_s: how often a peer announces itself.
+        failure_timeout_s: silence after which a peer is declared dead.
+        control_retry_s: first retry delay of an acknowledged control message (doubles).
+        control_timeout_s: give up on a control message after this long.
+    Collectives
+        collective_timeout_s: default upper bound of one all-reduce / averaging round.
+        phase_min_wait_s: a lossy phase waits at least this long after its first arrival
+            before a learned deadline may cut it.
+        phase_deadline_factor: a phase ends at ``factor x`` the arrival span observed
+            in recent lossless-complete phases (never beyond the timeout).
+        resync_every_steps: full parameter resync period of the lossy optimizer (0 = never).
+    """
+
+    # identity
+    run: str = "gossipnet"
+    peer_id: str | None = None
+    # transport
+    chunk_bytes: int | None = None
+    send_queue_packets: int = 4096
+    recv_queue_packets: int = 8192
+    udp_socket_buffer_bytes: int = 8 * 1024 * 1024
+    use_uvloop: bool = True
+    # wire
+    max_header_bytes: int = 2048
+    max_payload_bytes: int = 4 * 1024 * 1024
+    replay_window_packets: int = 8192
+    mac: str = "hmac-sha256"
+    reject_log_interval_s: float = 5.0
+    # membership
+    heartbeat_interval_s: float = 0.5
+    failure_timeout_s: float = 3.0
+    control_retry_s: float = 0.05
+    control_timeout_s: float = 3.0
+    # collectives
+    collective_timeout_s: float = 10.0
+    phase_min_wait_s: float = 0.02
+    phase_deadline_factor: float = 3.0
+    resync_every_steps: int = 100
+
+    def __post_init__(self) -> None:
+        positive = (
+            "send_queue_packets",
+            "recv_queue_packets",
+            "udp_socket_buffer_bytes",
+            "max_header_bytes",
+            "max_payload_bytes",
+            "replay_window_packets",
+            "heartbeat_interval_s",
+            "failure_timeout_s",
+            "control_retry_s",
+            "control_timeout_s",
+            "collective_timeout_s",
+            "phase_deadline_factor",
+        )
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"Config.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.chunk_bytes is not None and not 64 <= self.chunk_bytes <= self.max_payload_bytes:
+            raise ConfigError(
+                f"Config.chunk_bytes must be in [64, max_payload_bytes={self.max_payload_bytes}],"
+                f" got {self.chunk_bytes}"
+            )
+        if self.chunk_bytes is not None and self.chunk_bytes % 8:
+            raise ConfigError("Config.chunk_bytes must be a multiple of 8 (element alignment)")
+        if self.failure_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                "Config.failure_timeout_s must exceed heartbeat_interval_s, or every peer "
+                "looks dead between two heartbeats"
+            )
+        if self.mac not in ("hmac-sha256", "blake2b"):
+            raise ConfigError(f"Config.mac must be 'hmac-sha256' or 'blake2b', got {self.mac!r}")
+        if self.phase_min_wait_s < 0 or self.resync_every_steps < 0:
+            raise ConfigError("phase_min_wait_s and resync_every_steps must be >= 0")
+        if not self.run or len(self.run) > 64:
+            raise ConfigError("Config.run must be a non-empty string of at most 64 characters")
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied; unknown names raise ``ConfigError``."""
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ConfigError(f"unknown Config field(s) {unknown}; known: {sorted(names)}")
+        return dataclasses.replace(self, **changes)

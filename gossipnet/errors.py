@@ -1,0 +1,41 @@
+"""Exception hierarchy.
+
+Network failure is data (a :class:`~gossipnet.rounds.CollectiveReport` that
+names who was cut), not an exception: training goes on with what arrived.
+Exceptions are for misuse and for states the caller must act on, and every
+message says what to do next.
+"""
+
+from __future__ import annotations
+
+__all__ = (
+    "ClosedError",
+    "ConfigError",
+    "GossipError",
+    "PeerUnreachable",
+    "ProtocolError",
+)
+
+
+class GossipError(Exception):
+    """Base class of every error gossipnet raises on purpose."""
+
+
+class ConfigError(GossipError, ValueError):
+    """A configuration value is out of range or inconsistent with another."""
+
+
+class ClosedError(GossipError):
+    """The peer (or its transport) was closed; create a new one with ``join()``."""
+
+
+class PeerUnreachable(GossipError):
+    """A control message got no acknowledgement before its deadline."""
+
+
+class ProtocolError(GossipError):
+    """A packet or message violates the wire format; it is dropped and counted."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason

@@ -1,0 +1,91 @@
+"""The transport contract: fire-and-forget packets of frames.
+
+A packet is a short list of frames (buffers).  ``send`` never blocks and
+never retransmits: it hands the packet to the backend or drops it, counts
+the outcome and returns.  Delivery is a callback on the event-loop thread,
+so no task or queue is created per packet.  Authentication, replay guard
+and parsing live above, in :mod:`gossipnet.transport.wire`; a transport
+moves opaque frames.
+
+Why callbacks and a synchronous ``send``: the data path pushes tens of
+thousands of packets a second from Python, and an ``await`` per packet
+(or a task per delayed packet) costs more than the packet itself.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+__all__ = (
+    "Buffer",
+    "PacketHandler",
+    "Transport",
+    "TransportStats",
+)
+
+Buffer = bytes | bytearray | memoryview
+#: Called on the loop thread with the received frames (valid only during the call
+#: unless the handler keeps a reference; backends never reuse a delivered buffer).
+PacketHandler = Callable[[list[memoryview]], None]
+
+
+@dataclass(slots=True)
+class TransportStats:
+    """Counters a backend keeps; read them, never reset them from outside."""
+
+    sent_packets: int = 0
+    sent_bytes: int = 0
+    recv_packets: int = 0
+    recv_bytes: int = 0
+    dropped_queue_full: int = 0  # send queue (HWM / socket buffer) full: dropped, not retried
+    dropped_oversize: int = 0  # larger than the backend's packet limit
+    dropped_malformed: int = 0  # framing broken below the wire format (e.g. bad UDP framing)
+    dropped_unreachable: int = 0  # no route / unknown address scheme
+    send_errors: int = 0  # other OS-level send failures
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class Transport(abc.ABC):
+    """One endpoint: bound to ``address`` after :meth:`start`.
+
+    Implementations must be used from the event-loop thread only.
+    """
+
+    #: URL schemes this backend serves, e.g. ("tcp", "ipc", "inproc").
+    schemes: ClassVar[tuple[str, ...]] = ()
+    #: Default payload bytes per data packet (``Config.chunk_bytes`` overrides).
+    default_chunk_bytes: ClassVar[int] = 64 * 1024
+
+    def __init__(self) -> None:
+        self.stats = TransportStats()
+        self.address: str = ""
+        self._handler: PacketHandler | None = None
+
+    @property
+    @abc.abstractmethod
+    def max_packet_bytes(self) -> int:
+        """Largest packet (all frames together) this backend carries."""
+
+    @abc.abstractmethod
+    async def start(self, handler: PacketHandler) -> str:
+        """Bind, start delivering packets to ``handler``; return the bound address.
+
+        A listen address with port 0 binds a free port; the returned address is
+        the one peers must use (never ``0.0.0.0`` when a concrete one is known).
+        """
+
+    @abc.abstractmethod
+    def send(self, dst: str, frames: Sequence[Buffer]) -> bool:
+        """Queue one packet for ``dst``; True if handed to the backend, False if dropped."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Stop delivery, close sockets with zero linger; idempotent."""
+
+    def forget(self, dst: str) -> None:  # noqa: B027 - optional hook
+        """Release per-destination resources (e.g. a connected socket) for a departed peer."""
