@@ -43,6 +43,8 @@ class Config:
         failure_timeout_s: silence after which a peer is declared dead.
         control_retry_s: first retry delay of an acknowledged control message (doubles).
         control_timeout_s: give up on a control message after this long.
+        join_timeout_s: ``join()`` waits up to this long for the expected peers to
+            appear, then goes on with those present (a warning names the absent).
     Collectives
         collective_timeout_s: default upper bound of one all-reduce / averaging round.
         phase_min_wait_s: a lossy phase waits at least this long after its first arrival
@@ -72,6 +74,7 @@ class Config:
     failure_timeout_s: float = 3.0
     control_retry_s: float = 0.05
     control_timeout_s: float = 3.0
+    join_timeout_s: float = 30.0
     # collectives
     collective_timeout_s: float = 10.0
     phase_min_wait_s: float = 0.02
@@ -90,6 +93,7 @@ class Config:
             "failure_timeout_s",
             "control_retry_s",
             "control_timeout_s",
+            "join_timeout_s",
             "collective_timeout_s",
             "phase_deadline_factor",
         )

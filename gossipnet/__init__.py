@@ -1,0 +1,39 @@
+"""gossipnet: data-parallel PyTorch training over networks that lose packets,
+lose peers and straggle.
+
+A training loop calls :func:`gossipnet.join` and trains on; the library
+decides how peers exchange gradients and parameters.  Importing this
+package has no side effects: no thread, socket or event loop starts until
+``join()``.
+"""
+
+from __future__ import annotations
+
+from .clock import Clock, FakeClock, MonotonicClock
+from .config import Config
+from .errors import ClosedError, ConfigError, GossipError, PeerUnreachable, ProtocolError
+from .peer import Peer, join
+from .rounds import CollectiveReport
+from .transport.faults import Crash, FaultPlan, GilbertElliott, Partition
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "Clock",
+    "ClosedError",
+    "CollectiveReport",
+    "Config",
+    "ConfigError",
+    "Crash",
+    "FakeClock",
+    "FaultPlan",
+    "GilbertElliott",
+    "GossipError",
+    "MonotonicClock",
+    "Partition",
+    "Peer",
+    "PeerUnreachable",
+    "ProtocolError",
+    "__version__",
+    "join",
+)

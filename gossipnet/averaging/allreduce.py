@@ -1,0 +1,512 @@
+"""Loss-tolerant all-reduce: reduce-scatter + all-gather over lossy packets.
+
+Weintraub, Banner & Orda, *Distributed Training under Packet Loss* (2025):
+every peer owns a contiguous shard of each flat bucket (``ShardMap``).  In
+the reduce-scatter each peer sends every chunk it does not own to the
+chunk's owner, once, never retransmitted.  The owner averages, per chunk,
+the contributions that arrived, weighting each by the sender's weight and
+dividing by the weights that arrived (its own always counts), so under
+random loss the estimate is unbiased; dividing by N instead would be
+biased low by about (1 - p).  In the all-gather each owner sends its
+averaged chunks to everyone; a peer that misses one keeps its own value
+for it (stale, never zero) and the report counts it.
+
+Why phases end early: after its data every sender sends a tiny END marker
+(three copies, so all three are lost with probability p^3) that says how
+many packets it sent.  A phase ends the moment every expected END arrived,
+so time per round does not grow with the loss rate.  A deadline learned
+from the spans of recent complete phases (``phase_deadline_factor`` x the
+median span), capped by the call's timeout, bounds a phase when ENDs or a
+whole peer are lost.
+
+Rounds: peers call collectives in lockstep; round ``r`` is the larger of
+our own next round and the highest one any peer announced (data packets,
+heartbeat beacons), so a restarted or late peer catches up in one call.
+Packets for a round we have not started yet are buffered (bounded); older
+ones are dropped and counted as late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .._node import Node
+from ..rounds import CollectiveReport
+from ..transport.wire import DTYPE_CODES, DTYPES, Kind, Packet
+from .chunks import ChunkPlan, ShardMap, as_bytes, from_bytes
+
+__all__ = ("LossyAllReduce", "OwnedShard")
+
+log = logging.getLogger(__name__)
+
+END_COPIES = 3
+_YIELD_EVERY = 32  # packets sent between yields, so receiving never starves
+_MAX_BUFFERED_PACKETS = 200_000
+_SPAN_HISTORY = 16
+
+#: ``on_reduced`` receives the owned shards with their averaged values and returns
+#: the values to broadcast for those ranges (same order), e.g. stepped parameters.
+ReduceHook = Callable[[list["OwnedShard"]], list[torch.Tensor]]
+
+
+@dataclass(slots=True)
+class OwnedShard:
+    """This peer's shard of one bucket after the reduce-scatter."""
+
+    bucket: int
+    start: int  # element offset in the bucket
+    average: torch.Tensor  # averaged values (float32/float64), length = shard size
+    weights: torch.Tensor  # per owned chunk: sum of weights that arrived
+    contributors: torch.Tensor  # per owned chunk: number of contributions that arrived
+
+
+@dataclass
+class _Phase:
+    """END bookkeeping of one phase (reduce-scatter or all-gather)."""
+
+    expected: set[str]
+    start: float = 0.0
+    last_arrival: float = float("-inf")
+    done: set[str] = field(default_factory=set)
+    declared: dict[str, int] = field(default_factory=dict)
+    received: collections.Counter[str] = field(default_factory=collections.Counter)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def check(self) -> None:
+        if self.expected <= self.done:
+            self.event.set()
+
+
+class _Round:
+    """State of one collective round on this peer."""
+
+    def __init__(
+        self,
+        r: int,
+        me: str,
+        participants: tuple[str, ...],
+        src: Sequence[torch.Tensor],
+        dst: Sequence[torch.Tensor],
+        weight: float,
+        chunk_bytes: int,
+    ) -> None:
+        self.r = r
+        self.me = me
+        self.participants = participants
+        # A private copy of what we contribute: zero-copy sends may still sit in a
+        # backend queue after the round returns, and the caller will overwrite ``src``.
+        self.src = [b.clone() for b in src]
+        self.dst = list(dst)
+        self.plans = [ChunkPlan(int(b.numel()), b.dtype, chunk_bytes) for b in self.src]
+        self.maps = [ShardMap(plan, participants) for plan in self.plans]
+        self.owned = [m.chunks_of(me) for m in self.maps]
+        self.acc: list[torch.Tensor] = []
+        self.wsum: list[torch.Tensor] = []
+        self.count: list[torch.Tensor] = []
+        for b, buf in enumerate(self.src):
+            span = self.maps[b].owned_range(me)
+            acc_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
+            own = buf.narrow(0, span.start, len(span))
+            self.acc.append(own.to(acc_dtype) * weight)
+            n_owned = len(self.owned[b])
+            self.wsum.append(torch.full((n_owned,), float(weight), dtype=torch.float64))
+            self.count.append(torch.ones(n_owned, dtype=torch.int32))
+        self.seen: set[tuple[str, int, int]] = set()
+        self.got = [torch.zeros(p.nchunks, dtype=torch.bool) for p in self.plans]
+        others = {p for p in participants if p != me}
+        owns_any = any(len(o) for o in self.owned)
+        self.rs = _Phase(expected=set(others) if owns_any else set())
+        self.ag = _Phase(
+            expected={p for p in others if any(len(m.chunks_of(p)) for m in self.maps)}
+        )
+        self.sending = True
+        self.pending_ag: list[Packet] = []
+        self.broadcast: list[torch.Tensor] = []  # our averaged shards, kept for repairs
+        self.sent = 0
+        self.late = 0
+
+
+class LossyAllReduce:
+    """The all-reduce engine of one node; every method runs on the loop thread."""
+
+    def __init__(self, node: Node, *, tag: str = "ar") -> None:
+        self.node = node
+        self.tag = tag
+        self.next_round = 0
+        self.max_seen = -1
+        self._round: _Round | None = None
+        self._buffered: dict[int, list[Packet]] = collections.defaultdict(list)
+        self._nbuffered = 0
+        self._spans: dict[str, collections.deque[float]] = {
+            "rs": collections.deque(maxlen=_SPAN_HISTORY),
+            "ag": collections.deque(maxlen=_SPAN_HISTORY),
+        }
+        self._lock = asyncio.Lock()
+        self.dropped: collections.Counter[str] = collections.Counter()
+        for kind in (Kind.RS_DATA, Kind.AG_DATA, Kind.RS_END, Kind.AG_END):
+            node.subscribe(kind, self._on_packet)
+        node.on_heartbeat(self._on_heartbeat)
+        node.on_membership(self._on_membership)
+        node.beacon[self.tag] = 0
+
+    # ------------------------------------------------------------------ public
+    async def run(
+        self,
+        src: Sequence[torch.Tensor],
+        *,
+        dst: Sequence[torch.Tensor] | None = None,
+        weight: float = 1.0,
+        timeout_s: float | None = None,
+        on_reduced: ReduceHook | None = None,
+        participants: Sequence[str] | None = None,
+    ) -> CollectiveReport:
+        """One round: reduce-scatter ``src``, then all-gather into ``dst`` (default ``src``).
+
+        Args:
+            src: flat 1-D CPU buckets (contiguous), same layout on every peer.
+            dst: where the gathered values go; chunks whose broadcast was lost keep
+                the values ``dst`` already holds.
+            weight: this peer's weight (e.g. micro-batches done); >= 0.  A chunk whose
+                arrived weights sum to 0 keeps this peer's own values.
+            timeout_s: bound of the whole round (default ``Config.collective_timeout_s``).
+            on_reduced: maps the averaged owned shards to the values to broadcast
+                (default: the averages themselves).
+            participants: override the membership view (tests, Moshpit groups).
+
+        Returns:
+            The :class:`CollectiveReport` of the round; network faults never raise.
+        """
+        if weight < 0 or weight != weight:
+            raise ValueError(f"weight must be a finite number >= 0, got {weight}")
+        for b in src:
+            if b.dim() != 1 or not b.is_contiguous() or b.device.type != "cpu":
+                raise ValueError("buckets must be contiguous 1-D CPU tensors")
+            if b.dtype not in DTYPE_CODES:
+                raise ValueError(f"dtype {b.dtype} cannot go on the wire")
+        async with self._lock:
+            return await self._run(
+                list(src),
+                list(dst) if dst is not None else list(src),
+                weight,
+                self.node.config.collective_timeout_s if timeout_s is None else timeout_s,
+                on_reduced,
+                participants,
+            )
+
+    # ------------------------------------------------------------------ the round
+    async def _run(
+        self,
+        src: list[torch.Tensor],
+        dst: list[torch.Tensor],
+        weight: float,
+        timeout_s: float,
+        on_reduced: ReduceHook | None,
+        participants: Sequence[str] | None,
+    ) -> CollectiveReport:
+        node, clock = self.node, self.node.clock
+        t0 = clock.now()
+        deadline = t0 + timeout_s
+        r = max(self.next_round, self.max_seen)
+        parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
+        chunk_bytes = node.config.chunk_bytes or node.transport.default_chunk_bytes  # type: ignore[union-attr]
+        rnd = _Round(r, node.peer_id, parts, src, dst, weight, chunk_bytes)
+        self._round = rnd
+        self.next_round = r + 1
+        node.beacon[self.tag] = self.next_round
+        for stale in [k for k in self._buffered if k < r]:
+            self._nbuffered -= len(self._buffered.pop(stale))
+        try:
+            # reduce-scatter: replay what came early, then send our contributions
+            rnd.rs.start = clock.now()
+            for pkt in self._buffered.pop(r, []):
+                self._nbuffered -= 1
+                self._dispatch(rnd, pkt)
+            await self._send_rs(rnd, weight)
+            rnd.sending = False
+            for pkt in rnd.pending_ag:
+                self._on_ag(rnd, pkt)
+            rnd.pending_ag.clear()
+            rs_timed_out = not await self._wait_phase(rnd.rs, "rs", deadline)
+            shards = self._finish_rs(rnd)
+            values = on_reduced(shards) if on_reduced else [s.average for s in shards]
+            # all-gather: our averaged shards to everyone, then wait for the others'
+            rnd.ag.start = clock.now()
+            await self._send_ag(rnd, shards, values)
+            ag_timed_out = not await self._wait_phase(rnd.ag, "ag", deadline)
+            return self._report(rnd, clock.now() - t0, rs_timed_out or ag_timed_out)
+        finally:
+            self._round = None
+
+    async def _send_rs(self, rnd: _Round, weight: float) -> None:
+        node = self.node
+        per_dest: collections.Counter[str] = collections.Counter()
+        sent = 0
+        for b, (buf, plan, smap) in enumerate(zip(rnd.src, rnd.plans, rnd.maps, strict=True)):
+            code = DTYPE_CODES[buf.dtype]
+            raw = as_bytes(buf)  # one view of the bucket, sliced per chunk: no per-chunk copy
+            for c in range(plan.nchunks):
+                owner = smap.owner(c)
+                if owner == rnd.me:
+                    continue
+                _, count = plan.chunk(c)
+                fields = {"r": rnd.r, "b": b, "c": c, "w": weight, "dt": code, "n": count}
+                if node.send(owner, Kind.RS_DATA, fields, raw[plan.byte_slice(c)]):
+                    rnd.sent += 1
+                per_dest[owner] += 1
+                sent += 1
+                if sent % _YIELD_EVERY == 0:
+                    await asyncio.sleep(0)
+        for peer in rnd.participants:
+            if peer != rnd.me:
+                for _ in range(END_COPIES):
+                    node.send(peer, Kind.RS_END, {"r": rnd.r, "n": per_dest[peer]})
+
+    def _finish_rs(self, rnd: _Round) -> list[OwnedShard]:
+        shards = []
+        for b, plan in enumerate(rnd.plans):
+            span = rnd.maps[b].owned_range(rnd.me)
+            wsum = rnd.wsum[b]
+            acc = rnd.acc[b]
+            if len(span):
+                per_elem = wsum.repeat_interleave(plan.chunk_elems)[: len(span)].to(acc.dtype)
+                own = rnd.src[b].narrow(0, span.start, len(span)).to(acc.dtype)
+                # a chunk whose weights sum to 0 keeps our own values: no division by zero
+                avg = torch.where(per_elem > 0, acc / per_elem.clamp_min(1e-300), own)
+            else:
+                avg = acc
+            shards.append(OwnedShard(b, span.start, avg, wsum, rnd.count[b]))
+        return shards
+
+    async def _send_ag(
+        self, rnd: _Round, shards: list[OwnedShard], values: list[torch.Tensor]
+    ) -> None:
+        node = self.node
+        others = [p for p in rnd.participants if p != rnd.me]
+        sent = 0
+        for shard, value in zip(shards, values, strict=True):
+            b = shard.bucket
+            out = rnd.dst[b].narrow(0, shard.start, value.numel())
+            out.copy_(value)  # cast to the bucket dtype
+            plan = rnd.plans[b]
+            code = DTYPE_CODES[out.dtype]
+            # sent from a private copy: ``dst`` changes after the round, queued sends don't
+            mine = out.clone()
+            rnd.broadcast.append(mine)
+            raw = as_bytes(mine)
+            base = shard.start * plan.itemsize
+            for c in rnd.owned[b]:
+                _, count = plan.chunk(c)
+                span = plan.byte_slice(c)
+                payload = raw[span.start - base : span.stop - base]
+                fields = {"r": rnd.r, "b": b, "c": c, "dt": code, "n": count}
+                for peer in others:
+                    if node.send(peer, Kind.AG_DATA, fields, payload):
+                        rnd.sent += 1
+                    sent += 1
+                    if sent % _YIELD_EVERY == 0:
+                        await asyncio.sleep(0)
+        for peer in others:
+            n = sum(len(o) for o in rnd.owned)
+            for _ in range(END_COPIES):
+                node.send(peer, Kind.AG_END, {"r": rnd.r, "n": n})
+
+    async def _wait_phase(self, phase: _Phase, name: str, deadline: float) -> bool:
+        """Wait until every expected END arrived, or give up; True if complete.
+
+        Gives up at ``deadline`` (the call's bound), or once past the learned
+        deadline (``phase_deadline_factor`` x the median span of recent complete
+        phases) when nothing has arrived for a quarter of that span: a phase that
+        is still receiving is not cut, a phase whose stragglers are lost is.
+        """
+        clock = self.node.clock
+        cfg = self.node.config
+        phase.check()
+        history = self._spans[name]
+        if history:
+            typical = statistics.median(history)
+            learned = phase.start + max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * typical)
+            idle_gap = max(cfg.phase_min_wait_s, 0.25 * typical)
+        else:
+            learned, idle_gap = deadline, 0.0
+        while not phase.event.is_set():
+            now = clock.now()
+            quiet_since = max(phase.last_arrival, phase.start)
+            if now >= deadline or (now >= learned and now - quiet_since >= idle_gap):
+                return False
+            wake_at = min(deadline, max(learned, quiet_since + idle_gap))
+            waiter = asyncio.ensure_future(phase.event.wait())
+            try:
+                await self.node._wait_future(waiter, max(0.0, wake_at - now))
+            except TimeoutError:
+                pass
+            finally:
+                waiter.cancel()
+        history.append(clock.now() - phase.start)
+        return True
+
+    # ------------------------------------------------------------------ receiving
+    def _on_packet(self, pkt: Packet) -> None:
+        r = pkt.fields.get("r")
+        if not isinstance(r, int):
+            self.dropped["bad_round"] += 1
+            return
+        rnd = self._round
+        current = rnd.r if rnd is not None else self.next_round
+        if r > self.max_seen:
+            self.max_seen = r
+        if rnd is not None and r == rnd.r:
+            self._dispatch(rnd, pkt)
+        elif r >= current:
+            if self._nbuffered >= _MAX_BUFFERED_PACKETS:
+                self.dropped["buffer_full"] += 1
+                return
+            self._buffered[r].append(pkt)
+            self._nbuffered += 1
+        else:
+            self.dropped["late"] += 1
+            if rnd is not None:
+                rnd.late += 1
+
+    def _dispatch(self, rnd: _Round, pkt: Packet) -> None:
+        kind = pkt.kind
+        if kind == Kind.RS_DATA:
+            self._on_rs(rnd, pkt)
+        elif kind == Kind.AG_DATA:
+            if rnd.sending:
+                rnd.pending_ag.append(pkt)
+            else:
+                self._on_ag(rnd, pkt)
+        elif kind in (Kind.RS_END, Kind.AG_END):
+            phase = rnd.rs if kind == Kind.RS_END else rnd.ag
+            n = pkt.fields.get("n")
+            if isinstance(n, int) and n >= 0:
+                phase.declared[pkt.src] = n
+            phase.done.add(pkt.src)
+            phase.last_arrival = self.node.clock.now()
+            phase.check()
+
+    def _chunk_of(self, rnd: _Round, pkt: Packet) -> tuple[int, int, torch.Tensor] | None:
+        """Validate (bucket, chunk, dtype, count) against our plan; None = drop."""
+        b, c = pkt.fields.get("b"), pkt.fields.get("c")
+        if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
+            self.dropped["bad_chunk"] += 1
+            return None
+        plan = rnd.plans[b]
+        if not 0 <= c < plan.nchunks:
+            self.dropped["bad_chunk"] += 1
+            return None
+        dtype = DTYPES.get(pkt.fields.get("dt", ""))
+        _, count = plan.chunk(c)
+        if dtype != plan.dtype or pkt.fields.get("n") != count:
+            self.dropped["layout_mismatch"] += 1
+            return None
+        values = from_bytes(pkt.payload, dtype, count)
+        if not bool(torch.isfinite(values).all()):
+            self.dropped["non_finite"] += 1
+            return None
+        return b, c, values
+
+    def _on_rs(self, rnd: _Round, pkt: Packet) -> None:
+        w = pkt.fields.get("w", 1.0)
+        if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+            self.dropped["bad_weight"] += 1
+            return
+        got = self._chunk_of(rnd, pkt)
+        if got is None:
+            return
+        b, c, values = got
+        owned = rnd.owned[b]
+        if c not in owned:
+            self.dropped["not_owner"] += 1  # the sender's view differs from ours
+            return
+        key = (pkt.src, b, c)
+        if key in rnd.seen:
+            self.dropped["duplicate"] += 1
+            return
+        rnd.seen.add(key)
+        offset, count = rnd.plans[b].chunk(c)
+        start = rnd.maps[b].owned_range(rnd.me).start
+        rnd.acc[b][offset - start : offset - start + count].add_(values, alpha=float(w))
+        rnd.wsum[b][c - owned.start] += float(w)
+        rnd.count[b][c - owned.start] += 1
+        rnd.rs.received[pkt.src] += 1
+        rnd.rs.last_arrival = self.node.clock.now()
+
+    def _on_ag(self, rnd: _Round, pkt: Packet) -> None:
+        got = self._chunk_of(rnd, pkt)
+        if got is None:
+            return
+        b, c, values = got
+        if c in rnd.owned[b]:
+            self.dropped["not_owner"] += 1
+            return
+        if bool(rnd.got[b][c]):
+            self.dropped["duplicate"] += 1
+            return
+        rnd.plans[b].view(rnd.dst[b], c).copy_(values)
+        rnd.got[b][c] = True
+        rnd.ag.received[pkt.src] += 1
+        rnd.ag.last_arrival = self.node.clock.now()
+
+    def _on_heartbeat(self, pkt: Packet) -> None:
+        nxt = pkt.fields.get(self.tag)
+        if isinstance(nxt, int) and nxt > self.max_seen:
+            self.max_seen = nxt
+
+    def _on_membership(self, event: str, peer: str) -> None:
+        rnd = self._round
+        if rnd is None or event == "joined":
+            return
+        for phase in (rnd.rs, rnd.ag):
+            phase.expected.discard(peer)
+            phase.check()
+
+    # ------------------------------------------------------------------ reporting
+    def _report(self, rnd: _Round, elapsed: float, timed_out: bool) -> CollectiveReport:
+        expected = 0
+        received = 0
+        for phase, default in ((rnd.rs, self._rs_default), (rnd.ag, self._ag_default)):
+            for peer in phase.expected | phase.done:
+                expected += phase.declared.get(peer, default(rnd, peer))
+            received += sum(phase.received.values())
+        contributors = {rnd.me} | set(rnd.rs.received) | set(rnd.ag.received)
+        stale = 0
+        total = 0
+        for b, plan in enumerate(rnd.plans):
+            total += plan.nchunks
+            mask = rnd.got[b].clone()
+            owned = rnd.owned[b]
+            mask[owned.start : owned.stop] = True
+            stale += int((~mask).sum())
+        lost = max(0, expected - received)
+        return CollectiveReport(
+            round=rnd.r,
+            method="allreduce",
+            participants=rnd.participants,
+            contributors=tuple(sorted(contributors)),
+            missing=tuple(sorted(set(rnd.participants) - contributors)),
+            packets_sent=rnd.sent,
+            packets_received=received,
+            packets_lost=lost,
+            chunks_total=total,
+            chunks_stale=stale,
+            delivered_fraction=received / expected if expected else 1.0,
+            elapsed_s=elapsed,
+            timed_out=timed_out,
+            extra={"late": float(rnd.late)},
+        )
+
+    @staticmethod
+    def _rs_default(rnd: _Round, peer: str) -> int:
+        return sum(len(o) for o in rnd.owned)
+
+    @staticmethod
+    def _ag_default(rnd: _Round, peer: str) -> int:
+        return sum(len(m.chunks_of(peer)) for m in rnd.maps if peer in m.participants)

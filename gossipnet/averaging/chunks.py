@@ -1,0 +1,437 @@
+"""Tensors <-> packet-sized chunks, zero-copy where the layout allows.
+
+The loss-tolerant all-reduce (ALGORITHMS.md section 1) sends one datagram-sized chunk per
+packet, tagged ``(round, bucket, chunk)`` so a receiver places it by offset in any order.
+
+- :class:`FlatBuffer`: one contiguous 1-D *bucket* per dtype, so chunking is arithmetic on
+  one buffer. It aliases instead of copying when it can (a single contiguous tensor *is*
+  the bucket; :meth:`FlatBuffer.adopt` makes tensors views of it, like DDP's
+  ``gradient_as_bucket_view``).
+- :class:`ChunkPlan`: element-aligned chunks of at most ``chunk_bytes``; O(1) lookups, as a
+  25M-element bucket over 1400-byte datagrams has ~70k chunks.
+- :class:`ShardMap`: each chunk's owner (its reducer); contiguous, balanced, and computed
+  identically by every peer from the same inputs.
+- :func:`as_bytes` / :func:`from_bytes`: to and from the wire without copying; the bytes
+  are native-endian, and every platform PyTorch supports is little-endian.
+
+Nothing here loops per element in Python.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ("ChunkPlan", "FlatBuffer", "ShardMap", "as_bytes", "from_bytes")
+
+# The exact text of the warning ``torch.frombuffer`` emits for a read-only buffer.
+_READONLY_WARNING = "The given buffer is not writable"
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy ``src[i]`` into ``dst[i]`` without autograd; ``_foreach_copy_`` fuses the
+    launches on CUDA (as fast as a loop on CPU); it is private API, hence the fallback."""
+    if not dst:
+        return
+    with torch.no_grad():
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is not None:
+            foreach(dst, src)
+        else:  # pragma: no cover - torch < 2.1
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+
+
+def _aliases(view: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` already occupies exactly ``view``'s memory, so no copy is due."""
+    if tensor.numel() == 0:
+        return True
+    return tensor.data_ptr() == view.data_ptr() and tensor.is_contiguous()
+
+
+def _contiguous_run(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """A 1-D view spanning ``tensors`` if they lie back to back in one storage, else None.
+
+    The zero-copy fast path: one contiguous tensor, or tensors adopted by an earlier
+    :class:`FlatBuffer`, need no bucket of their own. Zero-size tensors fit anywhere.
+    """
+    nonempty = [t for t in tensors if t.numel() > 0]
+    if not nonempty or not all(t.is_contiguous() for t in nonempty):
+        return None
+    first = nonempty[0]
+    storage_ptr = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in nonempty:
+        if t.untyped_storage().data_ptr() != storage_ptr or t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    total = offset - first.storage_offset()
+    return first.detach().as_strided((total,), (1,), first.storage_offset())
+
+
+@dataclass(frozen=True, slots=True)
+class _Slot:
+    """Where one tensor lives: bucket index and element offset inside it."""
+
+    bucket: int
+    offset: int
+    shape: torch.Size
+
+
+class FlatBuffer:
+    """One contiguous 1-D bucket per dtype holding the values of a list of tensors.
+
+    Why: the all-reduce works on flat buffers; per-tensor bookkeeping would put Python on
+    the per-packet path. Buckets follow each dtype's first appearance in ``tensors`` and
+    hold tensors in list order, so peers with the same model build the same layout. The
+    constructor copies the current values in, unless the tensors already lie back to back
+    in one storage: then the bucket *is* that memory, and writing the bucket writes them.
+
+    Args:
+        tensors: any shapes and dtypes (float32/16, bfloat16, float64, ...), one device;
+            non-contiguous tensors are copied.
+
+    Raises:
+        ValueError: the tensors are on more than one device.
+    """
+
+    __slots__ = ("_slots", "_tensors", "_views", "buckets", "device", "dtypes")
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
+        devices = {t.device for t in self._tensors}
+        if len(devices) > 1:
+            raise ValueError(
+                f"FlatBuffer needs tensors on one device, got {sorted(map(str, devices))};"
+                " build one FlatBuffer per device"
+            )
+        self.device: torch.device = devices.pop() if devices else torch.device("cpu")
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(self._tensors):
+            groups.setdefault(t.dtype, []).append(i)
+        self.dtypes: tuple[torch.dtype, ...] = tuple(groups)
+        slots: dict[int, _Slot] = {}
+        buckets: list[torch.Tensor] = []
+        for b, (dtype, members) in enumerate(groups.items()):
+            members_t = [self._tensors[i] for i in members]
+            bucket = _contiguous_run(members_t)
+            if bucket is None:
+                total = sum(t.numel() for t in members_t)
+                bucket = torch.empty(total, dtype=dtype, device=self.device)
+            offset = 0
+            for i, t in zip(members, members_t, strict=True):
+                slots[i] = _Slot(b, offset, t.shape)
+                offset += t.numel()
+            buckets.append(bucket)
+        self.buckets: tuple[torch.Tensor, ...] = tuple(buckets)
+        self._slots: tuple[_Slot, ...] = tuple(slots[i] for i in range(len(self._tensors)))
+        self._views: tuple[torch.Tensor, ...] = tuple(
+            self.buckets[s.bucket].narrow(0, s.offset, s.shape.numel()).view(s.shape)
+            for s in self._slots
+        )
+        self.flatten()
+
+    @classmethod
+    def adopt(cls, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
+        """Build a FlatBuffer and rebind every tensor to a view of its bucket.
+
+        Why: afterwards :meth:`flatten` and :meth:`unflatten_into` find nothing to copy, so
+        the all-reduce reads and writes parameters (or gradients) in place; this is DDP's
+        ``gradient_as_bucket_view``. The tensor objects keep their identity (an optimizer
+        holding them is unaffected); only their storage changes, via ``Tensor.set_``, so
+        they become contiguous. Works for ``nn.Parameter`` and for ``.grad`` tensors.
+
+        Returns:
+            The FlatBuffer whose buckets now back ``tensors``.
+        """
+        flat = cls(tensors)
+        with torch.no_grad():
+            for view, t in zip(flat._views, flat._tensors, strict=True):
+                if not _aliases(view, t):
+                    t.set_(view)
+        return flat
+
+    @classmethod
+    def adopt_grads(cls, params: Sequence[torch.Tensor]) -> FlatBuffer:
+        """Give every parameter a ``.grad`` that is a view of one flat gradient bucket.
+
+        Why: ``.grad`` is None before the first backward, so there is no tensor to adopt;
+        this creates zero gradients where missing. Autograd accumulates into an existing
+        ``.grad`` in place, so the views survive ``backward()`` and
+        ``zero_grad(set_to_none=False)``; ``zero_grad()`` with its default
+        ``set_to_none=True`` drops them, after which :meth:`flatten` copies again.
+
+        Returns:
+            The FlatBuffer backing the parameters' gradients, values preserved.
+        """
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = cls.adopt(grads)
+        for p, g in zip(params, grads, strict=True):
+            if p.grad is None:
+                p.grad = g
+        return flat
+
+    def _resolve(self, tensors: Sequence[torch.Tensor] | None) -> Sequence[torch.Tensor]:
+        """The tensors to copy, checked against the layout (O(len)); the constructor's own
+        are checked too, as ``p.data = ...`` may have rebound them since."""
+        if tensors is None:
+            tensors = self._tensors
+        if len(tensors) != len(self._slots):
+            raise ValueError(f"expected {len(self._slots)} tensors, got {len(tensors)}")
+        for i, (t, s) in enumerate(zip(tensors, self._slots, strict=True)):
+            dtype = self.dtypes[s.bucket]
+            if t.shape != s.shape or t.dtype != dtype or t.device != self.device:
+                raise ValueError(
+                    f"tensor {i} is {tuple(t.shape)} {t.dtype} on {t.device}, the layout"
+                    f" expects {tuple(s.shape)} {dtype} on {self.device}"
+                )
+        return tensors
+
+    def flatten(self, tensors: Sequence[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """Copy the tensors' values into the buckets; tensors that alias them are skipped.
+
+        Args:
+            tensors: same shapes and dtypes as the layout; None means the tensors the
+                FlatBuffer was built from.
+
+        Returns:
+            :attr:`buckets`, one 1-D tensor per dtype in :attr:`dtypes` order.
+
+        Raises:
+            ValueError: ``tensors`` does not match the layout.
+        """
+        pairs = [
+            (v, t)
+            for v, t in zip(self._views, self._resolve(tensors), strict=True)
+            if not _aliases(v, t)
+        ]
+        _copy_all([v for v, _ in pairs], [t for _, t in pairs])
+        return self.buckets
+
+    def unflatten_into(self, tensors: Sequence[torch.Tensor] | None = None) -> None:
+        """Copy the buckets' values back into the tensors, in place.
+
+        Args:
+            tensors: as for :meth:`flatten`; may be non-contiguous.
+
+        Raises:
+            ValueError: ``tensors`` does not match the layout.
+        """
+        pairs = [
+            (t, v)
+            for v, t in zip(self._views, self._resolve(tensors), strict=True)
+            if not _aliases(v, t)
+        ]
+        _copy_all([t for t, _ in pairs], [v for _, v in pairs])
+
+    @property
+    def numel(self) -> int:
+        """Total elements over all buckets."""
+        return sum(b.numel() for b in self.buckets)
+
+    def __repr__(self) -> str:
+        sizes = [f"{d}: {b.numel()}" for d, b in zip(self.dtypes, self.buckets, strict=True)]
+        return f"FlatBuffer({len(self._slots)} tensors; {', '.join(sizes)}; {self.device})"
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """How a bucket of ``numel`` elements of ``dtype`` splits into packet-sized chunks.
+
+    Chunk ``i`` is elements ``[i * chunk_elems, min((i + 1) * chunk_elems, numel))`` with
+    ``chunk_elems = chunk_bytes // itemsize``: element-aligned, so no payload splits a value;
+    all but the last are full. Arithmetic, not offset tables: every method is O(1).
+
+    Raises:
+        ValueError: ``numel < 0`` or ``chunk_bytes`` below one element.
+    """
+
+    numel: int
+    dtype: torch.dtype
+    chunk_bytes: int
+    itemsize: int = field(init=False)
+    chunk_elems: int = field(init=False)
+    nchunks: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        itemsize = self.dtype.itemsize
+        if self.numel < 0:
+            raise ValueError(f"ChunkPlan.numel must be >= 0, got {self.numel}")
+        if self.chunk_bytes < itemsize:
+            raise ValueError(
+                f"ChunkPlan.chunk_bytes={self.chunk_bytes} holds no {self.dtype} element"
+                f" ({itemsize} bytes); raise Config.chunk_bytes"
+            )
+        chunk_elems = self.chunk_bytes // itemsize
+        object.__setattr__(self, "itemsize", itemsize)
+        object.__setattr__(self, "chunk_elems", chunk_elems)
+        object.__setattr__(self, "nchunks", -(-self.numel // chunk_elems))
+
+    @classmethod
+    def for_tensor(cls, buffer: torch.Tensor, chunk_bytes: int) -> ChunkPlan:
+        """The plan for a 1-D bucket such as one of :attr:`FlatBuffer.buckets`."""
+        return cls(numel=buffer.numel(), dtype=buffer.dtype, chunk_bytes=chunk_bytes)
+
+    @property
+    def offsets(self) -> range:
+        """Each chunk's first element, as a lazy range (no list is built)."""
+        return range(0, self.numel, self.chunk_elems)
+
+    def chunk(self, i: int) -> tuple[int, int]:
+        """``(offset, count)`` in elements of chunk ``i``.
+
+        Raises:
+            IndexError: ``i`` not in ``range(nchunks)``; a receiver drops such a packet.
+        """
+        if not 0 <= i < self.nchunks:
+            raise IndexError(f"chunk {i} out of range for {self.nchunks} chunks")
+        offset = i * self.chunk_elems
+        return offset, min(self.chunk_elems, self.numel - offset)
+
+    def byte_slice(self, i: int) -> slice:
+        """Chunk ``i``'s bytes within :func:`as_bytes` of the whole bucket.
+
+        Why: :func:`as_bytes` costs microseconds per call; slicing one memoryview of the
+        bucket costs ~0.1 us per chunk, which matters at ~70k chunks per step.
+        """
+        offset, count = self.chunk(i)
+        return slice(offset * self.itemsize, (offset + count) * self.itemsize)
+
+    def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
+        """Chunk ``i`` of ``buffer`` as a view (no copy).
+
+        Raises:
+            ValueError: as :meth:`check`. IndexError: as :meth:`chunk`.
+        """
+        self.check(buffer)
+        offset, count = self.chunk(i)
+        return buffer.narrow(0, offset, count)
+
+    def check(self, buffer: torch.Tensor) -> None:
+        """Raise ValueError unless ``buffer`` is a 1-D tensor of this plan's numel and dtype."""
+        if buffer.dim() != 1 or buffer.numel() != self.numel or buffer.dtype != self.dtype:
+            raise ValueError(
+                f"buffer {tuple(buffer.shape)} {buffer.dtype} does not match the plan"
+                f" ({self.numel},) {self.dtype}"
+            )
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor as a flat memoryview, without copying.
+
+    Works for bfloat16 too: numpy has none, so the tensor is reinterpreted as uint8 first.
+    The memoryview keeps the storage alive and sees later writes: send before writing.
+
+    Raises:
+        ValueError: not a contiguous CPU tensor (tensors cross to the network thread as
+            CPU copies anyway).
+    """
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(
+            f"as_bytes needs a contiguous CPU tensor, got device={tensor.device},"
+            f" contiguous={tensor.is_contiguous()}; use .contiguous().cpu() first"
+        )
+    raw = tensor.detach().reshape(-1).view(torch.uint8)
+    return memoryview(raw.numpy())
+
+
+def from_bytes(
+    data: memoryview | bytes | bytearray, dtype: torch.dtype, count: int
+) -> torch.Tensor:
+    """A 1-D tensor of ``count`` ``dtype`` elements reading ``data`` in place (no copy).
+
+    Why the warning filter: ``torch.frombuffer`` warns on a read-only buffer (a received
+    ZeroMQ frame, ``bytes``) as PyTorch has no read-only tensors, and the project turns
+    warnings into errors. Received payloads are only read (added into an accumulator or
+    copied into a bucket), so the warning is silenced for that call when ``data`` is
+    read-only. Do not write to such a result; ``.clone()`` it. (``catch_warnings`` is
+    process-global, but torch warns once per process, so only the first call matters.)
+
+    Raises:
+        ValueError: ``data`` is not exactly ``count * itemsize`` bytes; drop the packet.
+    """
+    mv = memoryview(data).cast("B")
+    if count < 0 or mv.nbytes != count * dtype.itemsize:
+        raise ValueError(
+            f"payload of {mv.nbytes} bytes does not hold {count} {dtype} elements"
+            f" ({dtype.itemsize} bytes each)"
+        )
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    if not mv.readonly:
+        return torch.frombuffer(mv, dtype=dtype, count=count)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_READONLY_WARNING, category=UserWarning)
+        return torch.frombuffer(mv, dtype=dtype, count=count)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardMap:
+    """Which participant owns (reduces) each chunk of a plan.
+
+    Each participant owns one contiguous range of chunks, in ``participants`` order; the
+    first ``nchunks % P`` own one more, so shares differ by at most one and, with more
+    participants than chunks, the last own nothing. Contiguous shards let an owner step its
+    optimizer on one slice, and a failed owner costs exactly its slice (ALGORITHMS.md,
+    "each peer reduces 1/G"). A pure function of ``(plan, participants)``: peers agreeing
+    on the list (e.g. ``node.alive_peers()``, sorted) agree on owners without a message.
+
+    Raises:
+        ValueError: ``participants`` is empty or has duplicates.
+    """
+
+    plan: ChunkPlan
+    participants: Sequence[str]  # stored as a tuple
+    _index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        participants = tuple(self.participants)
+        if not participants:
+            raise ValueError("ShardMap needs at least one participant")
+        index = {pid: j for j, pid in enumerate(participants)}
+        if len(index) != len(participants):
+            raise ValueError(f"ShardMap participants contain duplicates: {participants}")
+        object.__setattr__(self, "participants", participants)
+        object.__setattr__(self, "_index", index)
+
+    def _first_chunk(self, j: int) -> int:
+        """First chunk of participant ``j`` (``j == P`` gives ``nchunks``)."""
+        q, r = divmod(self.plan.nchunks, len(self.participants))
+        return j * q + min(j, r)
+
+    def owner(self, chunk: int) -> str:
+        """The participant that owns ``chunk``; IndexError outside ``range(nchunks)``."""
+        if not 0 <= chunk < self.plan.nchunks:
+            raise IndexError(f"chunk {chunk} out of range for {self.plan.nchunks} chunks")
+        q, r = divmod(self.plan.nchunks, len(self.participants))
+        big = r * (q + 1)  # chunks held by the r participants with one extra
+        j = chunk // (q + 1) if chunk < big else r + (chunk - big) // q
+        return self.participants[j]
+
+    def chunks_of(self, pid: str) -> range:
+        """The chunk indices ``pid`` owns (maybe empty); KeyError for a non-participant."""
+        j = self._index.get(pid)
+        if j is None:
+            raise KeyError(f"{pid!r} is not a participant of this ShardMap")
+        return range(self._first_chunk(j), self._first_chunk(j + 1))
+
+    def owned_range(self, pid: str) -> range:
+        """The bucket elements ``pid`` owns, one contiguous range; KeyError as above."""
+        chunks = self.chunks_of(pid)
+        step = self.plan.chunk_elems
+        return range(
+            min(chunks.start * step, self.plan.numel), min(chunks.stop * step, self.plan.numel)
+        )
+
+    def view(self, buffer: torch.Tensor, pid: str) -> torch.Tensor:
+        """``pid``'s shard of ``buffer`` as a view (no copy), e.g. for its optimizer step.
+
+        Raises:
+            ValueError: as :meth:`ChunkPlan.check`. KeyError: as :meth:`chunks_of`.
+        """
+        self.plan.check(buffer)
+        span = self.owned_range(pid)
+        return buffer.narrow(0, span.start, len(span))

@@ -1,0 +1,146 @@
+"""Who is alive: heartbeats, failure detection, departures.
+
+A peer is *alive* once a packet from it arrived directly and no longer than
+``failure_timeout_s`` ago.  Peers named only by someone else's view are
+*known* (their address is probed with HELLO) but not alive, so a stale view
+can never resurrect a dead peer.  A LEAVE removes a peer at once; a newer
+epoch from the same id is a restart and replaces the old incarnation.
+
+This module is pure bookkeeping over an injected clock: the node feeds it
+arrivals and asks it who is dead, so it is tested without sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = ("Membership", "PeerInfo")
+
+log = logging.getLogger(__name__)
+
+MembershipCallback = Callable[[str, str], None]  # (event, peer_id); event in joined|left|died
+
+
+@dataclass(slots=True)
+class PeerInfo:
+    peer_id: str
+    address: str
+    epoch: int = 0
+    last_seen: float = float("-inf")
+    alive: bool = False
+
+
+class Membership:
+    """Alive view of one peer; every method runs on the loop thread."""
+
+    def __init__(self, self_id: str, self_address: str, failure_timeout_s: float) -> None:
+        self.self_id = self_id
+        self.self_address = self_address
+        self.failure_timeout_s = failure_timeout_s
+        self._peers: dict[str, PeerInfo] = {}
+        self._left: dict[str, int] = {}  # peer_id -> epoch that announced LEAVE
+        self._callbacks: list[MembershipCallback] = []
+        self._version = 0  # bumps on every change of the alive set
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def on_change(self, callback: MembershipCallback) -> None:
+        self._callbacks.append(callback)
+
+    def off_change(self, callback: MembershipCallback) -> None:
+        if callback in self._callbacks:
+            self._callbacks.remove(callback)
+
+    def _emit(self, event: str, peer_id: str) -> None:
+        self._version += 1
+        log.info("peer %s: %s %s", self.self_id, event, peer_id)
+        for cb in list(self._callbacks):
+            try:
+                cb(event, peer_id)
+            except Exception:
+                log.exception("membership callback failed for %s %s", event, peer_id)
+
+    def heard_from(self, peer_id: str, epoch: int, address: str | None, now: float) -> None:
+        """A packet from ``peer_id`` arrived directly (authenticated)."""
+        if peer_id == self.self_id:
+            return
+        if self._left.get(peer_id, -1) >= epoch:
+            return  # late packets of an incarnation that said goodbye
+        info = self._peers.get(peer_id)
+        if info is None:
+            if address is None:
+                return  # cannot talk back yet; its HELLO or heartbeat will carry the address
+            info = PeerInfo(peer_id, address)
+            self._peers[peer_id] = info
+        if epoch < info.epoch:
+            return
+        if address:
+            info.address = address
+        restarted = info.alive and epoch > info.epoch
+        info.epoch = epoch
+        info.last_seen = now
+        if restarted:
+            self._emit("died", peer_id)
+            self._emit("joined", peer_id)
+        elif not info.alive:
+            info.alive = True
+            self._emit("joined", peer_id)
+
+    def learned(self, peer_id: str, address: str) -> bool:
+        """Someone's view names ``peer_id``; True if it is new to us (probe it)."""
+        if peer_id == self.self_id or peer_id in self._left:
+            return False
+        if peer_id in self._peers:
+            return False
+        self._peers[peer_id] = PeerInfo(peer_id, address)
+        return True
+
+    def left(self, peer_id: str, epoch: int) -> None:
+        """``peer_id`` announced its departure."""
+        self._left[peer_id] = max(epoch, self._left.get(peer_id, -1))
+        info = self._peers.pop(peer_id, None)
+        if info is not None and info.alive:
+            self._emit("left", peer_id)
+
+    def expire(self, now: float) -> list[str]:
+        """Declare peers silent for longer than the timeout dead; return them."""
+        dead = [
+            p.peer_id
+            for p in self._peers.values()
+            if p.alive and now - p.last_seen > self.failure_timeout_s
+        ]
+        for peer_id in dead:
+            self._peers[peer_id].alive = False
+            self._emit("died", peer_id)
+        return dead
+
+    def alive(self) -> list[str]:
+        """Alive peers, sorted, this peer included."""
+        ids = [p.peer_id for p in self._peers.values() if p.alive]
+        ids.append(self.self_id)
+        return sorted(ids)
+
+    def address_of(self, peer_id: str) -> str | None:
+        if peer_id == self.self_id:
+            return self.self_address
+        info = self._peers.get(peer_id)
+        return info.address if info else None
+
+    def known(self) -> list[PeerInfo]:
+        return list(self._peers.values())
+
+    def view(self) -> list[tuple[str, str]]:
+        """(id, address) of alive peers and self, to share with others."""
+        out = [(p.peer_id, p.address) for p in self._peers.values() if p.alive]
+        out.append((self.self_id, self.self_address))
+        return out
+
+    def is_alive(self, peer_id: str) -> bool:
+        if peer_id == self.self_id:
+            return True
+        info = self._peers.get(peer_id)
+        return bool(info and info.alive)

@@ -1,0 +1,249 @@
+"""``gossipnet.join()`` and :class:`Peer`: the synchronous facade.
+
+The training thread calls plain methods; each one submits a coroutine to
+the peer's event-loop thread (:mod:`gossipnet._loop`) and waits for it
+with a deadline.  Tensors cross threads as CPU copies made by the caller's
+thread; results are written back on the caller's thread, so the trainer
+never races the network.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets as _secrets
+import socket
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from ._loop import LoopThread
+from ._node import Node
+from .clock import Clock
+from .config import Config
+from .errors import ClosedError, ConfigError
+
+__all__ = ("Peer", "join")
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def _torchrun_settings() -> tuple[list[str], str, str, int] | None:
+    """(bootstrap, listen, peer_id, world_size) from torchrun's variables, if set.
+
+    Rank 0 listens on ``MASTER_PORT + 1`` of ``MASTER_ADDR``; every rank
+    bootstraps from it and listens on a free port of its own.  The peer id is
+    ``rank<N>``, so a restarted rank (``--max-restarts``) comes back under the
+    same name with a newer epoch.
+    """
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    try:
+        rank = int(env["RANK"])
+        world = int(env["WORLD_SIZE"])
+        port = int(env.get("MASTER_PORT", "29500")) + 1
+    except ValueError as err:
+        raise ConfigError(f"torchrun variables are not integers: {err}") from err
+    master = env.get("MASTER_ADDR", "127.0.0.1")
+    if master in ("localhost",):
+        master = "127.0.0.1"
+    rank0 = f"tcp://{master}:{port}"
+    if rank == 0:
+        listen = f"tcp://0.0.0.0:{port}"
+    else:
+        listen = "tcp://0.0.0.0:0"
+    return [rank0], listen, f"rank{rank}", world
+
+
+def _advertise_host(bootstrap: Sequence[str]) -> str | None:
+    """The host to advertise when listening on a wildcard address.
+
+    Loopback peers get ``127.0.0.1``; otherwise the host's primary address.
+    Why not the wildcard itself: peers must be able to dial the address we
+    hand out in HELLO and views.
+    """
+    hosts = [b.split("://", 1)[-1].rsplit(":", 1)[0] for b in bootstrap]
+    if not hosts or all(h.startswith(_LOOPBACK) for h in hosts):
+        return "127.0.0.1"
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+
+
+class Peer:
+    """A running gossipnet peer; create it with :func:`join`.
+
+    Thread-safe: any thread may call its methods, except the peer's own
+    event-loop thread (that raises ``RuntimeError`` instead of deadlocking).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        listen: str,
+        peer_id: str,
+        bootstrap: Sequence[str],
+        secret: bytes | None,
+        faults: Any = None,
+        clock: Clock | None = None,
+        network: Any = None,
+        expected_peers: int | None = None,
+    ) -> None:
+        self.config = config
+        self._loop = LoopThread(f"gossipnet-{peer_id}", use_uvloop=config.use_uvloop)
+        self._node = Node(
+            config=config, listen=listen, peer_id=peer_id, secret=secret,
+            bootstrap=bootstrap, clock=clock, faults=faults, network=network,
+            advertise_host=_advertise_host(bootstrap),
+        )
+        self._closed = False
+        try:
+            self._loop.call(self._node.start(), timeout_s=config.control_timeout_s + 10)
+            if expected_peers is None:
+                # our own address was removed from the bootstrap list at start
+                expected_peers = len(self._node.bootstrap) + 1
+            if expected_peers > 1:
+                ok = self._loop.call(
+                    self._node.wait_for_peers(expected_peers, config.join_timeout_s),
+                    timeout_s=config.join_timeout_s + 5,
+                )
+                if not ok:
+                    log.warning(
+                        "peer %s: %d of %d expected peers alive after %.1f s; going on",
+                        peer_id, len(self.alive_peers()), expected_peers, config.join_timeout_s,
+                    )
+        except BaseException:
+            self.close(announce=False)
+            raise
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def peer_id(self) -> str:
+        return self._node.peer_id
+
+    @property
+    def address(self) -> str:
+        return self._node.address
+
+    @property
+    def node(self) -> Node:
+        """The async runtime (use only from the peer's loop thread)."""
+        return self._node
+
+    def alive_peers(self) -> list[str]:
+        """Peers currently believed alive, sorted, this one included."""
+        return self._call(self._alive())
+
+    async def _alive(self) -> list[str]:
+        return self._node.alive_peers()
+
+    def stats(self) -> dict[str, Any]:
+        """Transport, fault and wire counters (a snapshot)."""
+        return self._call(self._stats())
+
+    async def _stats(self) -> dict[str, Any]:
+        return self._node.stats()
+
+    def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:
+        """Block until ``count`` peers (self included) are alive; False at the deadline."""
+        t = self.config.join_timeout_s if timeout_s is None else timeout_s
+        return self._call(self._node.wait_for_peers(count, t), t + 5)
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        if self._closed:
+            coro.close()
+            raise ClosedError("this peer has left; call gossipnet.join() again")
+        return self._loop.call(coro, self.config.control_timeout_s + 30 if timeout_s is None
+                               else timeout_s)
+
+    # ------------------------------------------------------------------ shutdown
+    def leave(self) -> None:
+        """Announce departure to the alive peers (bounded wait), then close."""
+        self.close(announce=True)
+
+    def close(self, *, announce: bool = False) -> None:
+        """Close sockets, cancel tasks, join the loop thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.call(self._node.close(announce=announce),
+                            timeout_s=self.config.control_timeout_s + 5)
+        except (ClosedError, TimeoutError, RuntimeError):
+            log.warning("peer %s: close did not finish cleanly", self._node.peer_id)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> Peer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<gossipnet.Peer {self.peer_id} {self.address} {state}>"
+
+
+def join(
+    peers: Sequence[str] | None = None,
+    listen: str | None = None,
+    *,
+    secret: bytes | str | None = None,
+    faults: Any = None,
+    config: Config | None = None,
+    clock: Clock | None = None,
+    network: Any = None,
+    wait_for: int | None = None,
+    **overrides: Any,
+) -> Peer:
+    """Start a peer and join the others.
+
+    Args:
+        peers: bootstrap addresses (``tcp://host:port``, ``udp://...``, ``mem://name``);
+            may include our own.  ``None`` reads torchrun's environment
+            (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``).
+        listen: our address; port 0 binds a free port.  Its scheme picks the backend.
+        secret: run secret keying the MAC of every packet (else ``GOSSIPNET_SECRET``;
+            else a key derived from the run id only, which stops accidents, not attackers).
+        faults: a :class:`gossipnet.FaultPlan` applied to everything this peer sends.
+        config: base :class:`gossipnet.Config`; ``overrides`` replace its fields.
+        clock: injected clock (tests); real monotonic time by default.
+        network: the :class:`gossipnet.testing.MemoryNetwork` for ``mem://`` peers.
+        wait_for: peers (self included) to wait for before returning, up to
+            ``Config.join_timeout_s``; default: the distinct bootstrap addresses plus
+            us, or ``WORLD_SIZE`` under torchrun.
+
+    Returns:
+        A running :class:`Peer` (also a context manager that leaves on exit).
+    """
+    cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
+    bootstrap = list(peers) if peers is not None else []
+    peer_id = cfg.peer_id
+    expected = wait_for
+    if peers is None:
+        tr = _torchrun_settings()
+        if tr is not None:
+            bootstrap, tr_listen, tr_id, world = tr
+            listen = listen or tr_listen
+            peer_id = peer_id or tr_id
+            expected = expected if expected is not None else world
+    if listen is None:
+        scheme = bootstrap[0].split("://", 1)[0] if bootstrap else "tcp"
+        listen = "mem://" if scheme == "mem" else f"{scheme}://127.0.0.1:0"
+    if peer_id is None:
+        peer_id = f"{socket.gethostname()[:16]}-{os.getpid()}-{_secrets.token_hex(3)}"
+    if secret is None:
+        env_secret = os.environ.get("GOSSIPNET_SECRET")
+        secret = env_secret.encode() if env_secret else None
+    key = secret.encode() if isinstance(secret, str) else secret
+    return Peer(
+        config=cfg, listen=listen, peer_id=peer_id, bootstrap=bootstrap, secret=key,
+        faults=faults, clock=clock, network=network, expected_peers=expected,
+    )

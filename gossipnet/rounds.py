@@ -1,0 +1,58 @@
+"""Values that describe what a collective did.
+
+A round that lost packets or peers is not an error: it returns a
+:class:`CollectiveReport` saying who contributed, what was sent, received
+and lost, and which chunks kept stale values, so the training loop can log
+it and go on (torchft's "record, don't raise").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ("CollectiveReport", "PeerId", "RoundId")
+
+PeerId = str
+RoundId = int
+
+
+@dataclass(slots=True)
+class CollectiveReport:
+    """Outcome of one collective call on this peer.
+
+    Attributes:
+        round: the collective's round number (same on every participant).
+        method: "allreduce", "moshpit", "broadcast", ...
+        participants: peers this peer expected in the round (sorted).
+        contributors: peers from which at least one packet of the round arrived
+            (this peer included).
+        missing: participants that sent nothing that arrived (dead, cut, or all lost).
+        packets_sent / packets_received / packets_lost: data packets of this round;
+            ``packets_lost`` counts expected packets that never arrived.
+        chunks_total: chunks of the flat buffer in the round.
+        chunks_stale: chunks this peer kept its own (stale) values for because the
+            averaged value never arrived.
+        delivered_fraction: received / expected data packets, in [0, 1].
+        elapsed_s: wall time of the call on this peer's clock.
+        timed_out: a phase ended at its deadline instead of on completion.
+    """
+
+    round: RoundId = 0
+    method: str = ""
+    participants: tuple[PeerId, ...] = ()
+    contributors: tuple[PeerId, ...] = ()
+    missing: tuple[PeerId, ...] = ()
+    packets_sent: int = 0
+    packets_received: int = 0
+    packets_lost: int = 0
+    chunks_total: int = 0
+    chunks_stale: int = 0
+    delivered_fraction: float = 1.0
+    elapsed_s: float = 0.0
+    timed_out: bool = False
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing was lost and every participant contributed."""
+        return not self.missing and self.packets_lost == 0 and self.chunks_stale == 0

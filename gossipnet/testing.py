@@ -1,0 +1,22 @@
+"""Public helpers for testing code that uses gossipnet.
+
+``MemoryNetwork`` runs many peers in one process without sockets;
+``FakeClock`` makes timeouts free; ``FaultPlan`` injects seeded faults.
+"""
+
+from __future__ import annotations
+
+from .clock import FakeClock
+from .transport.faults import Crash, FaultPlan, FaultyTransport, GilbertElliott, Partition
+from .transport.memory import MemoryNetwork, MemoryTransport
+
+__all__ = (
+    "Crash",
+    "FakeClock",
+    "FaultPlan",
+    "FaultyTransport",
+    "GilbertElliott",
+    "MemoryNetwork",
+    "MemoryTransport",
+    "Partition",
+)
