@@ -370,9 +370,7 @@ class Node:
             out["transport"] = self.transport.stats.as_dict()
             fault_stats = getattr(self.transport, "fault_stats", None)
             if fault_stats is not None:
-                out["faults"] = dict(vars(fault_stats)) if hasattr(fault_stats, "__dict__") else {
-                    k: getattr(fault_stats, k) for k in fault_stats.__slots__
-                }
+                out["faults"] = fault_stats.as_dict()
         out["wire_rejects"] = dict(self.codec.rejects)
         out["wire_accepted"] = self.codec.accepted
         out["unhandled_kinds"] = dict(self.unhandled)

@@ -16,11 +16,16 @@ import socket
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from ._loop import LoopThread
 from ._node import Node
 from .clock import Clock
 from .config import Config
 from .errors import ClosedError, ConfigError
+from .averaging.allreduce import LossyAllReduce
+from .averaging.chunks import FlatBuffer
+from .rounds import CollectiveReport
 
 __all__ = ("Peer", "join")
 
@@ -102,8 +107,10 @@ class Peer:
             advertise_host=_advertise_host(bootstrap),
         )
         self._closed = False
+        self._allreduce: LossyAllReduce | None = None
+        self._flats: dict[tuple[Any, ...], FlatBuffer] = {}
         try:
-            self._loop.call(self._node.start(), timeout_s=config.control_timeout_s + 10)
+            self._loop.call(self._start(), timeout_s=config.control_timeout_s + 10)
             if expected_peers is None:
                 # our own address was removed from the bootstrap list at start
                 expected_peers = len(self._node.bootstrap) + 1
@@ -153,6 +160,79 @@ class Peer:
         """Block until ``count`` peers (self included) are alive; False at the deadline."""
         t = self.config.join_timeout_s if timeout_s is None else timeout_s
         return self._call(self._node.wait_for_peers(count, t), t + 5)
+
+    # ------------------------------------------------------------------ collectives
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        timeout: float | None = None,
+        *,
+        weight: float = 1.0,
+    ) -> CollectiveReport:
+        """Average ``tensors`` across the alive peers, in place, tolerating loss.
+
+        Each peer's contribution counts with ``weight`` (e.g. micro-batches it
+        completed; 0 = contribute nothing).  Chunks whose average never arrived
+        keep this peer's own values; the report counts them (``chunks_stale``).
+        Non-finite local values are not sent: the call then contributes with
+        weight 0 and the report's ``extra["nonfinite_local"]`` is 1.
+
+        Args:
+            tensors: CPU or CUDA tensors of any float dtype and shape; the same
+                layout on every peer.
+            timeout: bound of the whole round in seconds (default
+                ``Config.collective_timeout_s``).
+            weight: this peer's weight, >= 0.
+
+        Returns:
+            The round's :class:`CollectiveReport`; packet loss never raises.
+        """
+        if not tensors:
+            raise ValueError("all_reduce needs at least one tensor")
+        flat = self._flat_for(tensors)
+        buckets = flat.flatten(tensors)
+        nonfinite = not all(bool(torch.isfinite(b).all()) for b in buckets)
+        if nonfinite:
+            log.warning("peer %s: non-finite values in all_reduce input; contributing "
+                        "weight 0 this round", self.peer_id)
+            for b in buckets:
+                torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
+            weight = 0.0
+        cpu = [b if b.device.type == "cpu" else b.cpu() for b in buckets]
+        t = self.config.collective_timeout_s if timeout is None else timeout
+        report = self._call(self._all_reduce(cpu, weight, t), t + 30)
+        for b, c in zip(buckets, cpu, strict=True):
+            if b is not c:
+                b.copy_(c)
+        flat.unflatten_into(tensors)
+        if nonfinite:
+            report.extra["nonfinite_local"] = 1.0
+        return report
+
+    async def _all_reduce(
+        self, buckets: list[torch.Tensor], weight: float, timeout_s: float
+    ) -> CollectiveReport:
+        return await self._engine().run(buckets, weight=weight, timeout_s=timeout_s)
+
+    def _engine(self) -> LossyAllReduce:
+        assert self._allreduce is not None
+        return self._allreduce
+
+    async def _start(self) -> None:
+        """Start the node and its engines on the loop thread, before any packet can
+        arrive for them (an engine created lazily would miss a fast peer's first round)."""
+        await self._node.start()
+        self._allreduce = LossyAllReduce(self._node)
+
+    def _flat_for(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
+        flat = self._flats.get(key)
+        if flat is None:
+            flat = FlatBuffer(tensors)
+            if len(self._flats) > 8:
+                self._flats.clear()
+            self._flats[key] = flat
+        return flat
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:

@@ -434,9 +434,9 @@ class FaultyTransport(Transport):
         """Apply the plan to one packet for ``dst``; forward it now or on a timer.
 
         Returns True for packets the faults drop (as for network loss) or delay,
-        otherwise the inner transport's verdict; False once closed.
+        otherwise the inner transport's verdict; False before start and once closed.
         """
-        if self._closed:
+        if self._closed or self._handler is None:
             return False
         link = self._links.get(dst) or self._link(dst)
         t = self.clock.now() - self._t0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import pickle
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -235,7 +236,7 @@ def test_bandwidth_cap_and_overflow() -> None:
     assert len(window) * size == pytest.approx(rate * 1.0, rel=0.1)
     stats = t.fault_stats
     assert stats.passed + stats.dropped_bandwidth == seq
-    assert within_binomial(stats.dropped_bandwidth, seq, 0.5, sigmas=10)
+    assert 0.4 < stats.dropped_bandwidth / seq < 0.6  # half the offered load is excess
     waits = [when - sent_at[s] for when, _, s, _ in inner.sent]
     assert max(waits) <= 0.05 + 1e-9
     assert max(waits) > 0.04  # the queue really filled up
@@ -407,6 +408,8 @@ def test_forwarding_and_close_cancels_delayed() -> None:
     clock.advance(1.0)
     assert len(inner.sent) == 2
     assert not t.send("b", [b"\0\0\0\4"])
+    unstarted = FaultyTransport(Recorder("z", clock), FaultPlan(), clock)
+    assert not unstarted.send("b", [b"\0\0\0\0"])
 
 
 @pytest.mark.parametrize(
@@ -435,13 +438,14 @@ def test_invalid_plans_raise_config_error(make: Any, match: str) -> None:
         make()
 
 
-def test_public_name_and_value_semantics() -> None:
+def test_plan_value_semantics() -> None:
     links = {("a", "b"): FaultPlan(loss=0.5)}
     plan = FaultPlan(seed=1, links=links, partitions=[Partition(0, 1, groups=[{"a"}, {"b"}])])  # type: ignore[arg-type]
     links.clear()  # the plan keeps its own copy
     assert plan.for_link("a", "b").loss == 0.5
     assert plan.for_link("b", "a") is plan
     assert plan.partitions[0].groups == (frozenset("a"), frozenset("b"))
+    assert pickle.loads(pickle.dumps(plan)) == plan  # plans travel to spawned peers
     assert hash(plan) == hash(
         FaultPlan(seed=1, links={("a", "b"): FaultPlan(loss=0.5)}, partitions=plan.partitions)
     )

@@ -1,0 +1,349 @@
+"""Goodput of gossipnet's transports against raw sockets, two processes on loopback.
+
+Why: the transports promise UDP semantics without giving up the speed of
+the socket under them.  This bench sends N packets of the wire shape
+``[header 80 B, payload, mac 16 B]`` from one process to another and
+measures, at the receiver, payload bytes received / (last - first arrival).
+
+Rows, per payload size (ZeroMQ: 1 KiB and 64 KiB; UDP: 1 KiB and 32 KiB):
+  raw            pyzmq PUSH/PULL ``send_multipart`` (copying, as for a mutable
+                 tensor buffer) / a plain UDP socket with the same datagram size
+  raw-zc         pyzmq zero-copy send (``copy=False``), ZeroMQ only: an upper
+                 bound that is unsafe for buffers the caller reuses
+  gossipnet      ``Transport.send`` and the packet handler
+  gossipnet+wire the same plus ``WireCodec.encode``/``decode`` (HMAC per packet)
+
+Senders go as fast as they can.  ZeroMQ is lossless once a packet is queued;
+gossipnet's sender retries a dropped packet after 1 ms (``send`` never blocks).
+UDP loses what the receiver cannot keep up with: the loss column says how much.
+
+    .venv/bin/python bench/transport.py --quick      # < 60 s
+    .venv/bin/python bench/transport.py              # larger N
+
+The last stdout line is one JSON object with the ratios at 64 KiB (ZeroMQ) and
+32 KiB (UDP): ``{"zmq_vs_raw": ..., "udp_vs_raw": ..., ...}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import socket
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from typing import Any
+
+HEADER = b"h" * 80
+MAC = b"m" * 16
+IDLE_S = 0.5  # a UDP receiver stops after this long without a packet
+
+
+@dataclass(frozen=True)
+class Case:
+    backend: str  # "zmq" | "udp"
+    variant: str  # "raw" | "raw-zc" | "gossipnet" | "gossipnet+wire"
+    payload_bytes: int
+    packets: int
+    uvloop: bool
+
+
+@dataclass
+class Result:
+    packets: int = 0
+    payload_bytes: int = 0
+    first_s: float = 0.0
+    last_s: float = 0.0
+    sender_retries: int = 0
+
+    @property
+    def goodput_mbs(self) -> float:
+        span = self.last_s - self.first_s
+        return self.payload_bytes / span / 1e6 if span > 0 and self.packets > 1 else 0.0
+
+
+def _config(case: Case) -> Any:
+    from gossipnet.config import Config
+
+    return Config(chunk_bytes=case.payload_bytes, udp_socket_buffer_bytes=8 << 20)
+
+
+def _run(case: Case, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    if case.uvloop:
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- receivers
+def _receive(case: Case, addr_q: Queue[str]) -> Result:
+    res = Result()
+    if case.variant.startswith("raw"):
+        (_raw_zmq_recv if case.backend == "zmq" else _raw_udp_recv)(case, addr_q, res)
+        return res
+
+    async def main() -> None:
+        from gossipnet.transport import create_transport
+
+        cfg = _config(case)
+        codec = None
+        if case.variant == "gossipnet+wire":
+            from gossipnet.transport.wire import WireCodec
+
+            codec = WireCodec(b"bench", cfg, "receiver")
+        done = asyncio.get_running_loop().create_future()
+
+        def on_packet(frames: list[memoryview]) -> None:
+            now = time.perf_counter()
+            if codec is not None:
+                pkt = codec.decode(frames)
+                if pkt is None:
+                    return
+                size = pkt.payload.nbytes
+            else:
+                size = frames[1].nbytes
+            if res.packets == 0:
+                res.first_s = now
+            res.last_s = now
+            res.packets += 1
+            res.payload_bytes += size
+            if res.packets == case.packets and not done.done():
+                done.set_result(None)
+
+        listen = "tcp://127.0.0.1:0" if case.backend == "zmq" else "udp://127.0.0.1:0"
+        t = create_transport(listen, cfg)
+        addr_q.put(await t.start(on_packet))
+        while not done.done():  # all packets, or (UDP) silence after the last one
+            await asyncio.wait([done], timeout=0.05)
+            idle_s = time.perf_counter() - res.last_s
+            if case.backend == "udp" and res.packets and idle_s > IDLE_S:
+                break
+        await t.close()
+
+    _run(case, main)
+    return res
+
+
+def _raw_zmq_recv(case: Case, addr_q: Queue[str], res: Result) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, _config(case).recv_queue_packets)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    addr_q.put(f"tcp://127.0.0.1:{port}")
+    while res.packets < case.packets:
+        parts = sock.recv_multipart(copy=False)
+        now = time.perf_counter()
+        if res.packets == 0:
+            res.first_s = now
+        res.last_s = now
+        res.packets += 1
+        res.payload_bytes += parts[1].buffer.nbytes
+    sock.close(linger=0)
+    ctx.term()
+
+
+def _raw_udp_recv(case: Case, addr_q: Queue[str], res: Result) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _config(case).udp_socket_buffer_bytes)
+    sock.bind(("127.0.0.1", 0))
+    addr_q.put(f"udp://127.0.0.1:{sock.getsockname()[1]}")
+    sock.settimeout(IDLE_S)
+    overhead = len(HEADER) + len(MAC)
+    while res.packets < case.packets:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            if res.packets:
+                break
+            continue
+        now = time.perf_counter()
+        if res.packets == 0:
+            res.first_s = now
+        res.last_s = now
+        res.packets += 1
+        res.payload_bytes += len(data) - overhead - 13  # 13: gossipnet's 3-frame framing
+    sock.close()
+
+
+# ---------------------------------------------------------------------- senders
+def _send(case: Case, addr: str, release: Event) -> int:
+    """Send ``case.packets`` packets to ``addr``; returns gossipnet's drop-and-retry count."""
+    payload = memoryview(bytearray(b"p" * case.payload_bytes))  # mutable, like a tensor view
+    if case.variant.startswith("raw"):
+        _raw_send(case, addr, payload, release)
+        return 0
+    retries = 0
+
+    async def main() -> None:
+        nonlocal retries
+        from gossipnet.transport import create_transport
+
+        cfg = _config(case)
+        listen = "tcp://127.0.0.1:0" if case.backend == "zmq" else "udp://127.0.0.1:0"
+        t = create_transport(listen, cfg)
+        await t.start(lambda frames: None)
+        await t.connect(addr, 5.0)  # type: ignore[attr-defined]
+        encode: Callable[[int], list[Any]] = lambda i: [HEADER, payload, MAC]  # noqa: E731
+        if case.variant == "gossipnet+wire":
+            from gossipnet.transport.wire import Kind, WireCodec
+
+            codec = WireCodec(b"bench", cfg, "sender")
+            encode = lambda i: codec.encode(Kind.RS_DATA, {"c": i}, payload)  # noqa: E731
+        for i in range(case.packets):
+            frames = encode(i)
+            while not t.send(addr, frames):
+                await asyncio.sleep(0.001)
+        retries = t.stats.dropped_queue_full
+        while not release.is_set():  # closing with linger 0 would discard the queue
+            await asyncio.sleep(0.01)
+        await t.close()
+
+    _run(case, main)
+    return retries
+
+
+def _raw_send(case: Case, addr: str, payload: memoryview, release: Event) -> None:
+    if case.backend == "udp":
+        host, port = addr.removeprefix("udp://").rsplit(":", 1)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _config(case).udp_socket_buffer_bytes)
+        datagram = bytes(13) + HEADER + bytes(payload) + MAC
+        for _ in range(case.packets):
+            sock.sendto(datagram, (host, int(port)))
+        sock.close()
+        return
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, _config(case).send_queue_packets)
+    sock.connect(addr)
+    copy = case.variant != "raw-zc"
+    for _ in range(case.packets):
+        sock.send_multipart([HEADER, payload, MAC], copy=copy)
+    release.wait()
+    sock.close(linger=0)
+    ctx.term()
+
+
+# ---------------------------------------------------------------------- workers
+def _receiver_worker(cases: Queue[Case | None], addr_q: Queue[str], out: Queue[Result]) -> None:
+    while (case := cases.get()) is not None:
+        out.put(_receive(case, addr_q))
+
+
+def _sender_worker(jobs: Queue[tuple[Case, str] | None], release: Event, out: Queue[int]) -> None:
+    while (job := jobs.get()) is not None:
+        out.put(_send(job[0], job[1], release))
+
+
+def run_cases(cases: list[Case]) -> list[tuple[Case, Result]]:
+    """Run every case through one receiver and one sender process (spawned once)."""
+    ctx = mp.get_context("spawn")
+    rx_q: Queue[Case | None] = ctx.Queue()
+    tx_q: Queue[tuple[Case, str] | None] = ctx.Queue()
+    addr_q: Queue[str] = ctx.Queue()
+    rx_out: Queue[Result] = ctx.Queue()
+    tx_out: Queue[int] = ctx.Queue()
+    release = ctx.Event()
+    procs = [
+        ctx.Process(target=_receiver_worker, args=(rx_q, addr_q, rx_out), daemon=True),
+        ctx.Process(target=_sender_worker, args=(tx_q, release, tx_out), daemon=True),
+    ]
+    for p in procs:
+        p.start()
+    results = []
+    try:
+        for case in cases:
+            release.clear()
+            rx_q.put(case)
+            tx_q.put((case, addr_q.get(timeout=60)))
+            res = rx_out.get(timeout=120)
+            release.set()
+            res.sender_retries = tx_out.get(timeout=60)
+            results.append((case, res))
+    finally:
+        rx_q.put(None)
+        tx_q.put(None)
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _wire_available() -> bool:
+    try:
+        import gossipnet.transport.wire  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_cases(quick: bool, use_uvloop: bool) -> list[Case]:
+    scale = 1 if quick else 5
+    variants = ["raw", "gossipnet"] + (["gossipnet+wire"] if _wire_available() else [])
+    cases = []
+    for backend, sizes in (("zmq", (1024, 65536)), ("udp", (1024, 32768))):
+        for size in sizes:
+            packets = scale * (60_000 if size <= 1024 else 10_000)
+            extra = ["raw-zc"] if backend == "zmq" and size > 1024 else []
+            for variant in variants[:1] + extra + variants[1:]:
+                cases.append(Case(backend, variant, size, packets, use_uvloop))
+    return cases
+
+
+def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
+    """Print the table; return the summary that becomes the last JSON line."""
+    raw = {(c.backend, c.payload_bytes): r.goodput_mbs for c, r in results if c.variant == "raw"}
+    print(f"{'backend':7} {'variant':15} {'payload':>8} {'MB/s':>9} {'vs raw':>7} {'loss%':>6}")
+    summary: dict[str, Any] = {"rows": []}
+    for case, res in results:
+        base = raw.get((case.backend, case.payload_bytes)) or float("nan")
+        ratio = res.goodput_mbs / base
+        loss = 100.0 * (1 - res.packets / case.packets)
+        print(
+            f"{case.backend:7} {case.variant:15} {case.payload_bytes:>8} "
+            f"{res.goodput_mbs:9.1f} {ratio:7.2f} {loss:6.1f}"
+        )
+        summary["rows"].append({**asdict(case), "goodput_mbs": round(res.goodput_mbs, 1),
+                                "vs_raw": round(ratio, 3), "loss_pct": round(loss, 2),
+                                "sender_retries": res.sender_retries})  # fmt: skip
+        key = {("zmq", 65536): "zmq", ("udp", 32768): "udp"}.get(
+            (case.backend, case.payload_bytes)
+        )
+        if key and case.variant in ("gossipnet", "gossipnet+wire"):
+            suffix = "" if case.variant == "gossipnet" else "_wire"
+            summary[f"{key}{suffix}_vs_raw"] = round(ratio, 3)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small N, finishes in < 60 s")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    args = parser.parse_args(argv)
+    use_uvloop = args.loop == "uvloop"
+    if use_uvloop:
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            use_uvloop = False
+    started = time.perf_counter()
+    results = run_cases(build_cases(args.quick, use_uvloop))
+    summary = report(results)
+    summary["loop"] = "uvloop" if use_uvloop else "asyncio"
+    summary["elapsed_s"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
