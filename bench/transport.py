@@ -30,6 +30,8 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import queue
+import statistics
 import socket
 import time
 from collections.abc import Callable, Coroutine
@@ -138,14 +140,15 @@ def _raw_zmq_recv(case: Case, addr_q: Queue[str], res: Result) -> None:
     sock.setsockopt(zmq.RCVHWM, _config(case).recv_queue_packets)
     port = sock.bind_to_random_port("tcp://127.0.0.1")
     addr_q.put(f"tcp://127.0.0.1:{port}")
+    copy = case.payload_bytes < zmq.COPY_THRESHOLD  # pyzmq's advice: zero-copy pays when large
     while res.packets < case.packets:
-        parts = sock.recv_multipart(copy=False)
+        parts = sock.recv_multipart(copy=copy)
         now = time.perf_counter()
         if res.packets == 0:
             res.first_s = now
         res.last_s = now
         res.packets += 1
-        res.payload_bytes += parts[1].buffer.nbytes
+        res.payload_bytes += memoryview(parts[1]).nbytes
     sock.close(linger=0)
     ctx.term()
 
@@ -245,6 +248,18 @@ def _sender_worker(jobs: Queue[tuple[Case, str] | None], release: Event, out: Qu
         out.put(_send(job[0], job[1], release))
 
 
+def _get(q: Queue[Any], procs: list[mp.process.BaseProcess], timeout_s: float) -> Any:
+    """``q.get`` that fails fast when a worker died instead of waiting out the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue.Empty:
+            dead = [p.name for p in procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"bench worker(s) {dead or 'timed out'}") from None
+
+
 def run_cases(cases: list[Case]) -> list[tuple[Case, Result]]:
     """Run every case through one receiver and one sender process (spawned once)."""
     ctx = mp.get_context("spawn")
@@ -254,9 +269,9 @@ def run_cases(cases: list[Case]) -> list[tuple[Case, Result]]:
     rx_out: Queue[Result] = ctx.Queue()
     tx_out: Queue[int] = ctx.Queue()
     release = ctx.Event()
-    procs = [
-        ctx.Process(target=_receiver_worker, args=(rx_q, addr_q, rx_out), daemon=True),
-        ctx.Process(target=_sender_worker, args=(tx_q, release, tx_out), daemon=True),
+    procs: list[mp.process.BaseProcess] = [
+        ctx.Process(target=_receiver_worker, args=(rx_q, addr_q, rx_out), name="receiver"),
+        ctx.Process(target=_sender_worker, args=(tx_q, release, tx_out), name="sender"),
     ]
     for p in procs:
         p.start()
@@ -265,10 +280,10 @@ def run_cases(cases: list[Case]) -> list[tuple[Case, Result]]:
         for case in cases:
             release.clear()
             rx_q.put(case)
-            tx_q.put((case, addr_q.get(timeout=60)))
-            res = rx_out.get(timeout=120)
+            tx_q.put((case, _get(addr_q, procs, 60)))
+            res = _get(rx_out, procs, 120)
             release.set()
-            res.sender_retries = tx_out.get(timeout=60)
+            res.sender_retries = _get(tx_out, procs, 60)
             results.append((case, res))
     finally:
         rx_q.put(None)
@@ -288,38 +303,52 @@ def _wire_available() -> bool:
     return True
 
 
-def build_cases(quick: bool, use_uvloop: bool) -> list[Case]:
-    scale = 1 if quick else 5
+def build_cases(quick: bool, use_uvloop: bool, repeats: int) -> list[Case]:
+    """Every (backend, size, variant), repeated in interleaved rounds.
+
+    Interleaving spreads slow phases of a shared machine over all rows
+    instead of penalising whichever row ran during them.
+    """
+    small, large = (30_000, 5_000) if quick else (150_000, 25_000)
     variants = ["raw", "gossipnet"] + (["gossipnet+wire"] if _wire_available() else [])
-    cases = []
+    one_round = []
     for backend, sizes in (("zmq", (1024, 65536)), ("udp", (1024, 32768))):
         for size in sizes:
-            packets = scale * (60_000 if size <= 1024 else 10_000)
             extra = ["raw-zc"] if backend == "zmq" and size > 1024 else []
             for variant in variants[:1] + extra + variants[1:]:
-                cases.append(Case(backend, variant, size, packets, use_uvloop))
-    return cases
+                packets = small if size <= 1024 else large
+                one_round.append(Case(backend, variant, size, packets, use_uvloop))
+    return one_round * repeats
 
 
 def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
-    """Print the table; return the summary that becomes the last JSON line."""
-    raw = {(c.backend, c.payload_bytes): r.goodput_mbs for c, r in results if c.variant == "raw"}
-    print(f"{'backend':7} {'variant':15} {'payload':>8} {'MB/s':>9} {'vs raw':>7} {'loss%':>6}")
-    summary: dict[str, Any] = {"rows": []}
+    """Print the table of medians over repeats; return the summary for the JSON line."""
+    by_case: dict[Case, list[Result]] = {}
     for case, res in results:
-        base = raw.get((case.backend, case.payload_bytes)) or float("nan")
-        ratio = res.goodput_mbs / base
-        loss = 100.0 * (1 - res.packets / case.packets)
+        by_case.setdefault(case, []).append(res)
+
+    def median_mbs(case: Case) -> float:
+        return statistics.median(r.goodput_mbs for r in by_case[case])
+
+    raw = {(c.backend, c.payload_bytes): median_mbs(c) for c in by_case if c.variant == "raw"}
+    print(
+        f"{'backend':7} {'variant':15} {'payload':>8} {'MB/s':>9} {'min..max':>15} "
+        f"{'vs raw':>7} {'loss%':>6} {'retries':>8}"
+    )
+    summary: dict[str, Any] = {"rows": []}
+    for case, runs in by_case.items():
+        mbs = median_mbs(case)
+        ratio = mbs / (raw.get((case.backend, case.payload_bytes)) or float("nan"))
+        loss = 100.0 * (1 - sum(r.packets for r in runs) / (case.packets * len(runs)))
+        retries = sum(r.sender_retries for r in runs) // len(runs)
+        spread = f"{min(r.goodput_mbs for r in runs):.0f}..{max(r.goodput_mbs for r in runs):.0f}"
         print(
-            f"{case.backend:7} {case.variant:15} {case.payload_bytes:>8} "
-            f"{res.goodput_mbs:9.1f} {ratio:7.2f} {loss:6.1f}"
+            f"{case.backend:7} {case.variant:15} {case.payload_bytes:>8} {mbs:9.1f} "
+            f"{spread:>15} {ratio:7.2f} {loss:6.1f} {retries:8d}"
         )
-        summary["rows"].append({**asdict(case), "goodput_mbs": round(res.goodput_mbs, 1),
-                                "vs_raw": round(ratio, 3), "loss_pct": round(loss, 2),
-                                "sender_retries": res.sender_retries})  # fmt: skip
-        key = {("zmq", 65536): "zmq", ("udp", 32768): "udp"}.get(
-            (case.backend, case.payload_bytes)
-        )
+        summary["rows"].append({**asdict(case), "goodput_mbs": round(mbs, 1),
+                                "vs_raw": round(ratio, 3), "loss_pct": round(loss, 2)})  # fmt: skip
+        key = {("zmq", 65536): "zmq", ("udp", 32768): "udp"}.get((case.backend, case.payload_bytes))
         if key and case.variant in ("gossipnet", "gossipnet+wire"):
             suffix = "" if case.variant == "gossipnet" else "_wire"
             summary[f"{key}{suffix}_vs_raw"] = round(ratio, 3)
@@ -330,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small N, finishes in < 60 s")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the table shows medians")
     args = parser.parse_args(argv)
     use_uvloop = args.loop == "uvloop"
     if use_uvloop:
@@ -338,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             use_uvloop = False
     started = time.perf_counter()
-    results = run_cases(build_cases(args.quick, use_uvloop))
+    results = run_cases(build_cases(args.quick, use_uvloop, args.repeats))
     summary = report(results)
     summary["loop"] = "uvloop" if use_uvloop else "asyncio"
     summary["elapsed_s"] = round(time.perf_counter() - started, 1)

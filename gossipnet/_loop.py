@@ -67,9 +67,7 @@ class LoopThread:
                 for task in pending:
                     task.cancel()
                 if pending:
-                    self._loop.run_until_complete(
-                        asyncio.gather(*pending, return_exceptions=True)
-                    )
+                    self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
                 self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             finally:
                 self._loop.close()
@@ -113,4 +111,6 @@ class LoopThread:
         if not self.in_loop_thread():
             self._thread.join(timeout_s)
             if self._thread.is_alive():
-                log.warning("event-loop thread %s did not stop in %.1f s", self._thread.name, timeout_s)
+                log.warning(
+                    "event-loop thread %s did not stop in %.1f s", self._thread.name, timeout_s
+                )

@@ -114,8 +114,9 @@ class Node:
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("peer %s: task %s failed", self.peer_id, task.get_name(),
-                      exc_info=task.exception())
+            log.error(
+                "peer %s: task %s failed", self.peer_id, task.get_name(), exc_info=task.exception()
+            )
 
     async def close(self, *, announce: bool = True) -> None:
         """Announce departure (bounded), stop tasks, close sockets; idempotent."""
@@ -158,7 +159,10 @@ class Node:
         self._subscribers.pop(int(kind), None)
 
     def send(
-        self, peer_id: str, kind: int, fields: Mapping[str, Any] | None = None,
+        self,
+        peer_id: str,
+        kind: int,
+        fields: Mapping[str, Any] | None = None,
         payload: Buffer = b"",
     ) -> bool:
         """Fire-and-forget one packet to ``peer_id``; False if it was dropped locally."""
@@ -168,7 +172,10 @@ class Node:
         return self.transport.send(address, self.codec.encode(kind, fields, payload))
 
     def send_to_address(
-        self, address: str, kind: int, fields: Mapping[str, Any] | None = None,
+        self,
+        address: str,
+        kind: int,
+        fields: Mapping[str, Any] | None = None,
         payload: Buffer = b"",
     ) -> bool:
         if self.transport is None or self._closed:
@@ -242,7 +249,9 @@ class Node:
         )
         rid = pkt.fields.get("rq")
         if isinstance(rid, int) and pkt.kind != Kind.ACK:
-            reply_to = self.membership.address_of(pkt.src) or (addr if isinstance(addr, str) else None)
+            reply_to = self.membership.address_of(pkt.src) or (
+                addr if isinstance(addr, str) else None
+            )
             if reply_to is not None:
                 self.send_to_address(reply_to, Kind.ACK, {"ak": rid})
             key = (pkt.src, pkt.epoch, rid)
@@ -259,8 +268,12 @@ class Node:
             handler(pkt)
         except Exception:
             # A handler bug must not kill the receive path for every other packet.
-            log.exception("peer %s: handler for kind %d failed on a packet from %s",
-                          self.peer_id, pkt.kind, pkt.src)
+            log.exception(
+                "peer %s: handler for kind %d failed on a packet from %s",
+                self.peer_id,
+                pkt.kind,
+                pkt.src,
+            )
 
     def _on_ack(self, pkt: Packet) -> None:
         rid = pkt.fields.get("ak")
@@ -285,8 +298,12 @@ class Node:
             return
         try:
             view = msgpack.unpackb(
-                pkt.payload, max_array_len=_MAX_VIEW_ENTRIES, max_str_len=1024,
-                max_bin_len=0, max_map_len=0, max_ext_len=0,
+                pkt.payload,
+                max_array_len=_MAX_VIEW_ENTRIES,
+                max_str_len=1024,
+                max_bin_len=0,
+                max_map_len=0,
+                max_ext_len=0,
             )
         except Exception:
             self.codec.rejects["view_parse"] += 1
@@ -295,9 +312,12 @@ class Node:
             self.codec.rejects["view_parse"] += 1
             return
         for entry in view:
-            if (isinstance(entry, list) and len(entry) == 2
-                    and all(isinstance(x, str) for x in entry)
-                    and self.membership.learned(entry[0], entry[1])):
+            if (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and all(isinstance(x, str) for x in entry)
+                and self.membership.learned(entry[0], entry[1])
+            ):
                 self.send_to_address(entry[1], Kind.HELLO, {"addr": self.address})
 
     def _on_leave(self, pkt: Packet) -> None:
@@ -364,8 +384,7 @@ class Node:
             self.membership.off_change(wake)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"peer_id": self.peer_id, "address": self.address,
-                               "pid": os.getpid()}
+        out: dict[str, Any] = {"peer_id": self.peer_id, "address": self.address, "pid": os.getpid()}
         if self.transport is not None:
             out["transport"] = self.transport.stats.as_dict()
             fault_stats = getattr(self.transport, "fault_stats", None)

@@ -20,11 +20,12 @@ import torch
 
 from ._loop import LoopThread
 from ._node import Node
+from .averaging.allreduce import LossyAllReduce
+from .averaging.chunks import FlatBuffer
 from .clock import Clock
 from .config import Config
 from .errors import ClosedError, ConfigError
-from .averaging.allreduce import LossyAllReduce
-from .averaging.chunks import FlatBuffer
+from .optim import GossipOptimizer
 from .rounds import CollectiveReport
 
 __all__ = ("Peer", "join")
@@ -56,10 +57,7 @@ def _torchrun_settings() -> tuple[list[str], str, str, int] | None:
     if master in ("localhost",):
         master = "127.0.0.1"
     rank0 = f"tcp://{master}:{port}"
-    if rank == 0:
-        listen = f"tcp://0.0.0.0:{port}"
-    else:
-        listen = "tcp://0.0.0.0:0"
+    listen = f"tcp://0.0.0.0:{port}" if rank == 0 else "tcp://0.0.0.0:0"
     return [rank0], listen, f"rank{rank}", world
 
 
@@ -102,8 +100,14 @@ class Peer:
         self.config = config
         self._loop = LoopThread(f"gossipnet-{peer_id}", use_uvloop=config.use_uvloop)
         self._node = Node(
-            config=config, listen=listen, peer_id=peer_id, secret=secret,
-            bootstrap=bootstrap, clock=clock, faults=faults, network=network,
+            config=config,
+            listen=listen,
+            peer_id=peer_id,
+            secret=secret,
+            bootstrap=bootstrap,
+            clock=clock,
+            faults=faults,
+            network=network,
             advertise_host=_advertise_host(bootstrap),
         )
         self._closed = False
@@ -122,7 +126,10 @@ class Peer:
                 if not ok:
                     log.warning(
                         "peer %s: %d of %d expected peers alive after %.1f s; going on",
-                        peer_id, len(self.alive_peers()), expected_peers, config.join_timeout_s,
+                        peer_id,
+                        len(self.alive_peers()),
+                        expected_peers,
+                        config.join_timeout_s,
                     )
         except BaseException:
             self.close(announce=False)
@@ -193,8 +200,10 @@ class Peer:
         buckets = flat.flatten(tensors)
         nonfinite = not all(bool(torch.isfinite(b).all()) for b in buckets)
         if nonfinite:
-            log.warning("peer %s: non-finite values in all_reduce input; contributing "
-                        "weight 0 this round", self.peer_id)
+            log.warning(
+                "peer %s: non-finite values in all_reduce input; contributing weight 0 this round",
+                self.peer_id,
+            )
             for b in buckets:
                 torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
             weight = 0.0
@@ -234,13 +243,24 @@ class Peer:
             self._flats[key] = flat
         return flat
 
+    def optimizer(
+        self, base: torch.optim.Optimizer, strategy: str = "allreduce", **kwargs: Any
+    ) -> GossipOptimizer:
+        """Wrap ``base`` for data-parallel training over this peer.
+
+        See :class:`gossipnet.optim.GossipOptimizer`; ``kwargs`` go to it
+        (``resync_every_steps``, ``timeout``).
+        """
+        return GossipOptimizer(self, base, strategy=strategy, **kwargs)
+
     # ------------------------------------------------------------------ plumbing
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
         if self._closed:
             coro.close()
             raise ClosedError("this peer has left; call gossipnet.join() again")
-        return self._loop.call(coro, self.config.control_timeout_s + 30 if timeout_s is None
-                               else timeout_s)
+        return self._loop.call(
+            coro, self.config.control_timeout_s + 30 if timeout_s is None else timeout_s
+        )
 
     # ------------------------------------------------------------------ shutdown
     def leave(self) -> None:
@@ -253,8 +273,9 @@ class Peer:
             return
         self._closed = True
         try:
-            self._loop.call(self._node.close(announce=announce),
-                            timeout_s=self.config.control_timeout_s + 5)
+            self._loop.call(
+                self._node.close(announce=announce), timeout_s=self.config.control_timeout_s + 5
+            )
         except (ClosedError, TimeoutError, RuntimeError):
             log.warning("peer %s: close did not finish cleanly", self._node.peer_id)
         finally:
@@ -324,6 +345,13 @@ def join(
         secret = env_secret.encode() if env_secret else None
     key = secret.encode() if isinstance(secret, str) else secret
     return Peer(
-        config=cfg, listen=listen, peer_id=peer_id, bootstrap=bootstrap, secret=key,
-        faults=faults, clock=clock, network=network, expected_peers=expected,
+        config=cfg,
+        listen=listen,
+        peer_id=peer_id,
+        bootstrap=bootstrap,
+        secret=key,
+        faults=faults,
+        clock=clock,
+        network=network,
+        expected_peers=expected,
     )

@@ -96,8 +96,10 @@ class _Round:
         dst: Sequence[torch.Tensor],
         weight: float,
         chunk_bytes: int,
+        mode: int = 0,
     ) -> None:
         self.r = r
+        self.mode = mode
         self.me = me
         self.participants = participants
         # A private copy of what we contribute: zero-copy sends may still sit in a
@@ -142,6 +144,7 @@ class LossyAllReduce:
         self.next_round = 0
         self.max_seen = -1
         self._round: _Round | None = None
+        self._last: _Round | None = None  # serves repair requests after it ended
         self._buffered: dict[int, list[Packet]] = collections.defaultdict(list)
         self._nbuffered = 0
         self._spans: dict[str, collections.deque[float]] = {
@@ -150,7 +153,7 @@ class LossyAllReduce:
         }
         self._lock = asyncio.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
-        for kind in (Kind.RS_DATA, Kind.AG_DATA, Kind.RS_END, Kind.AG_END):
+        for kind in (Kind.RS_DATA, Kind.AG_DATA, Kind.RS_END, Kind.AG_END, Kind.REPAIR):
             node.subscribe(kind, self._on_packet)
         node.on_heartbeat(self._on_heartbeat)
         node.on_membership(self._on_membership)
@@ -166,6 +169,8 @@ class LossyAllReduce:
         timeout_s: float | None = None,
         on_reduced: ReduceHook | None = None,
         participants: Sequence[str] | None = None,
+        mode: int = 0,
+        repair: bool = False,
     ) -> CollectiveReport:
         """One round: reduce-scatter ``src``, then all-gather into ``dst`` (default ``src``).
 
@@ -179,6 +184,12 @@ class LossyAllReduce:
             on_reduced: maps the averaged owned shards to the values to broadcast
                 (default: the averages themselves).
             participants: override the membership view (tests, Moshpit groups).
+            mode: what the round carries (e.g. 0 gradients, 1 parameters); packets of
+                another mode are dropped, so peers that disagree on it never mix
+                gradients into parameters.
+            repair: after the all-gather, re-request lost chunks from their owners
+                until none is missing or the deadline passes (used for resyncs that
+                must leave every peer identical).
 
         Returns:
             The :class:`CollectiveReport` of the round; network faults never raise.
@@ -198,6 +209,8 @@ class LossyAllReduce:
                 self.node.config.collective_timeout_s if timeout_s is None else timeout_s,
                 on_reduced,
                 participants,
+                mode,
+                repair,
             )
 
     # ------------------------------------------------------------------ the round
@@ -209,6 +222,8 @@ class LossyAllReduce:
         timeout_s: float,
         on_reduced: ReduceHook | None,
         participants: Sequence[str] | None,
+        mode: int,
+        repair: bool,
     ) -> CollectiveReport:
         node, clock = self.node, self.node.clock
         t0 = clock.now()
@@ -216,7 +231,7 @@ class LossyAllReduce:
         r = max(self.next_round, self.max_seen)
         parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
         chunk_bytes = node.config.chunk_bytes or node.transport.default_chunk_bytes  # type: ignore[union-attr]
-        rnd = _Round(r, node.peer_id, parts, src, dst, weight, chunk_bytes)
+        rnd = _Round(r, node.peer_id, parts, src, dst, weight, chunk_bytes, mode)
         self._round = rnd
         self.next_round = r + 1
         node.beacon[self.tag] = self.next_round
@@ -227,6 +242,9 @@ class LossyAllReduce:
             rnd.rs.start = clock.now()
             for pkt in self._buffered.pop(r, []):
                 self._nbuffered -= 1
+                if pkt.fields.get("m", 0) != mode:
+                    self.dropped["mode_mismatch"] += 1
+                    continue
                 self._dispatch(rnd, pkt)
             await self._send_rs(rnd, weight)
             rnd.sending = False
@@ -240,9 +258,12 @@ class LossyAllReduce:
             rnd.ag.start = clock.now()
             await self._send_ag(rnd, shards, values)
             ag_timed_out = not await self._wait_phase(rnd.ag, "ag", deadline)
+            if repair:
+                ag_timed_out = not await self._repair(rnd, deadline) or ag_timed_out
             return self._report(rnd, clock.now() - t0, rs_timed_out or ag_timed_out)
         finally:
             self._round = None
+            self._last = rnd
 
     async def _send_rs(self, rnd: _Round, weight: float) -> None:
         node = self.node
@@ -256,7 +277,15 @@ class LossyAllReduce:
                 if owner == rnd.me:
                     continue
                 _, count = plan.chunk(c)
-                fields = {"r": rnd.r, "b": b, "c": c, "w": weight, "dt": code, "n": count}
+                fields = {
+                    "r": rnd.r,
+                    "m": rnd.mode,
+                    "b": b,
+                    "c": c,
+                    "w": weight,
+                    "dt": code,
+                    "n": count,
+                }
                 if node.send(owner, Kind.RS_DATA, fields, raw[plan.byte_slice(c)]):
                     rnd.sent += 1
                 per_dest[owner] += 1
@@ -266,7 +295,7 @@ class LossyAllReduce:
         for peer in rnd.participants:
             if peer != rnd.me:
                 for _ in range(END_COPIES):
-                    node.send(peer, Kind.RS_END, {"r": rnd.r, "n": per_dest[peer]})
+                    node.send(peer, Kind.RS_END, {"r": rnd.r, "m": rnd.mode, "n": per_dest[peer]})
 
     def _finish_rs(self, rnd: _Round) -> list[OwnedShard]:
         shards = []
@@ -305,7 +334,7 @@ class LossyAllReduce:
                 _, count = plan.chunk(c)
                 span = plan.byte_slice(c)
                 payload = raw[span.start - base : span.stop - base]
-                fields = {"r": rnd.r, "b": b, "c": c, "dt": code, "n": count}
+                fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
                 for peer in others:
                     if node.send(peer, Kind.AG_DATA, fields, payload):
                         rnd.sent += 1
@@ -315,7 +344,7 @@ class LossyAllReduce:
         for peer in others:
             n = sum(len(o) for o in rnd.owned)
             for _ in range(END_COPIES):
-                node.send(peer, Kind.AG_END, {"r": rnd.r, "n": n})
+                node.send(peer, Kind.AG_END, {"r": rnd.r, "m": rnd.mode, "n": n})
 
     async def _wait_phase(self, phase: _Phase, name: str, deadline: float) -> bool:
         """Wait until every expected END arrived, or give up; True if complete.
@@ -351,6 +380,73 @@ class LossyAllReduce:
         history.append(clock.now() - phase.start)
         return True
 
+    async def _repair(self, rnd: _Round, deadline: float) -> bool:
+        """Re-request missing all-gather chunks from their owners; True when none is left.
+
+        Requests are plain lossy packets (a lost request is simply sent again next
+        pass); owners answer from the round's kept broadcast, also after they moved on.
+        """
+        clock = self.node.clock
+        spans = self._spans["ag"]
+        interval = max(
+            self.node.config.phase_min_wait_s, 2 * statistics.median(spans) if spans else 0.05
+        )
+        while True:
+            missing = self._missing(rnd)
+            if not missing:
+                return True
+            if clock.now() >= deadline:
+                return False
+            for (owner, b), chunks in missing.items():
+                for i in range(0, len(chunks), 4096):
+                    part = torch.tensor(chunks[i : i + 4096], dtype=torch.int32)
+                    self.node.send(
+                        owner,
+                        Kind.REPAIR,
+                        {"r": rnd.r, "b": b, "dt": "i32", "n": part.numel()},
+                        as_bytes(part),
+                    )
+            await clock.sleep(min(interval, max(0.0, deadline - clock.now())))
+
+    def _missing(self, rnd: _Round) -> dict[tuple[str, int], list[int]]:
+        """(owner, bucket) -> chunk indices whose all-gather never arrived."""
+        out: dict[tuple[str, int], list[int]] = {}
+        for b, smap in enumerate(rnd.maps):
+            mask = rnd.got[b].clone()
+            owned = rnd.owned[b]
+            mask[owned.start : owned.stop] = True
+            for c in torch.nonzero(~mask).flatten().tolist():
+                owner = smap.owner(c)
+                if self.node.membership is not None and self.node.membership.is_alive(owner):
+                    out.setdefault((owner, b), []).append(c)
+        return out
+
+    def _serve_repair(self, rnd: _Round, pkt: Packet) -> None:
+        b = pkt.fields.get("b")
+        if (
+            not isinstance(b, int)
+            or not 0 <= b < len(rnd.broadcast)
+            or pkt.fields.get("dt") != "i32"
+        ):
+            self.dropped["bad_repair"] += 1
+            return
+        chunks = from_bytes(pkt.payload, torch.int32, len(pkt.payload) // 4).tolist()
+        plan, owned = rnd.plans[b], rnd.owned[b]
+        mine = rnd.broadcast[b]
+        raw = as_bytes(mine)
+        base = owned.start * plan.chunk_elems * plan.itemsize
+        code = DTYPE_CODES[mine.dtype]
+        for c in chunks[:4096]:
+            if c not in owned:
+                continue
+            _, count = plan.chunk(c)
+            span = plan.byte_slice(c)
+            fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
+            if self.node.send(
+                pkt.src, Kind.AG_DATA, fields, raw[span.start - base : span.stop - base]
+            ):
+                rnd.sent += 1
+
     # ------------------------------------------------------------------ receiving
     def _on_packet(self, pkt: Packet) -> None:
         r = pkt.fields.get("r")
@@ -358,10 +454,20 @@ class LossyAllReduce:
             self.dropped["bad_round"] += 1
             return
         rnd = self._round
+        if pkt.kind == Kind.REPAIR:
+            for candidate in (rnd, self._last):
+                if candidate is not None and candidate.r == r:
+                    self._serve_repair(candidate, pkt)
+                    return
+            self.dropped["repair_unknown_round"] += 1
+            return
         current = rnd.r if rnd is not None else self.next_round
         if r > self.max_seen:
             self.max_seen = r
         if rnd is not None and r == rnd.r:
+            if pkt.fields.get("m", 0) != rnd.mode:
+                self.dropped["mode_mismatch"] += 1
+                return
             self._dispatch(rnd, pkt)
         elif r >= current:
             if self._nbuffered >= _MAX_BUFFERED_PACKETS:

@@ -1,0 +1,133 @@
+"""Helpers shared by the bench scripts (not a bench itself: running it does nothing).
+
+Why a module: every bench needs the same four things and they should behave
+the same everywhere: a ``--quick`` preset CI can afford, a machine-readable
+last stdout line, free loopback ports, and N spawned worker processes whose
+failure stops the bench loudly instead of hanging it at a barrier.
+
+    from _common import bench_parser, emit_json, free_ports, run_workers
+
+(``bench/`` is ``sys.path[0]`` when a script there runs, and spawned children
+inherit the parent's ``sys.path``.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import queue
+import socket
+import statistics
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ("SPAWN", "bench_parser", "emit_json", "free_ports", "median", "run_workers")
+
+#: The start method of every bench: ``fork`` would copy a parent's threads and
+#: sockets (and torch's thread pools) into the children; ``spawn`` starts clean.
+SPAWN = mp.get_context("spawn")
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with ``--quick``; its description is the doc's first line."""
+    first = (doc or "").strip().split("\n", 1)[0]
+    parser = argparse.ArgumentParser(description=first)
+    parser.add_argument("--quick", action="store_true", help="small preset, finishes in < 60 s")
+    return parser
+
+
+def emit_json(summary: dict[str, Any]) -> None:
+    """Print ``summary`` as one JSON line; call it last, as CI reads the last stdout line."""
+    print(json.dumps(summary, default=str), flush=True)
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, NaN for no values (a bench row without data, not a crash)."""
+    return statistics.median(values) if values else float("nan")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free a moment ago.
+
+    All ``n`` sockets stay bound until every port is picked, so the ports
+    differ; another process may still grab one before the bench binds it
+    (rare on a quiet machine; the bench then fails to bind and says so).
+    """
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def _worker_main(
+    target: Callable[..., Any], rank: int, args: tuple[Any, ...], out: Any
+) -> None:
+    try:
+        out.put((rank, True, target(rank, *args)))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+        raise
+
+
+def run_workers(
+    target: Callable[..., Any], n: int, args: Sequence[Any] = (), *, timeout_s: float = 300.0
+) -> list[Any]:
+    """Run ``target(rank, *args)`` in ``n`` spawned processes; their results by rank.
+
+    ``target`` must be a module-level function and ``args`` picklable (for
+    barriers, events and queues use :data:`SPAWN`'s factories).  The first
+    worker that raises, or dies without a result, ends the run: the others
+    are killed (they may be waiting for it at a barrier) and RuntimeError
+    carries its traceback.  So does ``timeout_s`` passing.
+
+    Raises:
+        RuntimeError: a worker failed, died, or the run took longer than ``timeout_s``.
+    """
+    out = SPAWN.Queue()
+    procs = [
+        SPAWN.Process(target=_worker_main, args=(target, r, tuple(args), out), daemon=True)
+        for r in range(n)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < n:
+            try:
+                rank, ok, value = out.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+                if dead:
+                    with contextlib.suppress(queue.Empty):  # its last words may be in flight
+                        rank, ok, value = out.get(timeout=2.0)
+                        if not ok:
+                            raise RuntimeError(f"worker {rank} failed:\n{value}") from None
+                        results[rank] = value
+                        continue
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RuntimeError(f"worker(s) died without a result, exit codes {codes}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"workers still running after {timeout_s:.0f} s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"worker {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if len(results) == n else 0.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    return [results[r] for r in range(n)]
+
+
+if __name__ == "__main__":  # `make bench` runs every bench/*.py with --quick
+    pass

@@ -1,0 +1,305 @@
+"""Data-parallel optimizer wrapper: sharded steps and bounded-drift broadcasts.
+
+``net.optimizer(base)`` keeps the user's loop plain PyTorch (``backward();
+opt.step(); opt.zero_grad()``).  On ``step()`` the gradients are
+reduce-scattered over the lossy transport; each peer steps the base
+optimizer only for the shard it owns (its optimizer state is sharded too)
+and broadcasts that shard's new parameters.  A peer that misses a
+broadcast packet keeps its own parameters for that chunk: never zeros, so
+the drift between replicas stays bounded (Weintraub et al. 2025).  Every
+``resync_every_steps`` rounds a resync round averages the parameters and
+repairs every lost chunk, so replicas become identical again; round 0 is a
+resync, which makes peers that started from different seeds consistent.
+
+Why rebuild the base optimizer per shard: torch optimizers step whole
+tensors; a shard is a view of the flat parameter bucket, so a new optimizer
+of the same class over those views steps exactly the owned elements, and
+LR schedulers keep working because hyperparameters are copied from the
+user's ``base.param_groups`` before every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .averaging.allreduce import LossyAllReduce, OwnedShard
+from .averaging.chunks import FlatBuffer
+from .errors import ConfigError
+from .rounds import CollectiveReport
+
+if TYPE_CHECKING:
+    from .peer import Peer
+
+__all__ = ("GossipOptimizer",)
+
+log = logging.getLogger(__name__)
+
+MODE_GRADS = 0
+MODE_RESYNC = 1
+STRATEGIES = ("allreduce",)
+
+ShardKey = tuple[tuple[int, int, int], ...]  # (bucket, start, length) per owned shard
+
+
+class GossipOptimizer:
+    """Wraps ``base`` so that ``step()`` trains data-parallel over gossipnet.
+
+    Args:
+        peer: the joined :class:`gossipnet.Peer`.
+        base: a constructed torch optimizer (SGD, Adam, AdamW, ...); its class,
+            defaults and param groups are used; it never steps itself.
+        strategy: ``"allreduce"`` (loss-tolerant reduce-scatter + broadcast).
+        resync_every_steps: resync period in rounds (default from ``Config``; 0 = only
+            the first round).
+        timeout: bound of one step's collective in seconds.
+
+    The parameters are re-bound to views of flat buckets (``FlatBuffer.adopt``):
+    create the wrapper after moving the model to its device.
+    """
+
+    def __init__(
+        self,
+        peer: Peer,
+        base: torch.optim.Optimizer,
+        *,
+        strategy: str = "allreduce",
+        resync_every_steps: int | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        if strategy not in STRATEGIES:
+            raise ConfigError(f"strategy {strategy!r} is not available; choose one of {STRATEGIES}")
+        self.peer = peer
+        self.base = base
+        self.strategy = strategy
+        cfg = peer.config
+        self.resync_every = (
+            cfg.resync_every_steps if resync_every_steps is None else resync_every_steps
+        )
+        if self.resync_every < 0:
+            raise ConfigError("resync_every_steps must be >= 0")
+        self.timeout = cfg.collective_timeout_s if timeout is None else timeout
+        self.groups = [[p for p in g["params"] if p.requires_grad] for g in base.param_groups]
+        if not any(self.groups):
+            raise ValueError("the optimizer has no parameter that requires grad")
+        self.param_flats = [FlatBuffer.adopt(ps) if ps else None for ps in self.groups]
+        self.grad_flats = [
+            FlatBuffer([torch.zeros_like(p) for p in ps]) if ps else None for ps in self.groups
+        ]
+        self.bucket_group: list[int] = []
+        for g, flat in enumerate(self.param_flats):
+            if flat is not None:
+                self.bucket_group.extend([g] * len(flat.buckets))
+        self._shard_key: ShardKey = ()
+        self._shard_opt: torch.optim.Optimizer | None = None
+        self._shard_views: list[torch.Tensor] = []
+        self._pending_state: dict[str, Any] | None = None
+        self.step_count = 0
+        self.last_report: CollectiveReport | None = None
+        self.last_resync: CollectiveReport | None = None
+
+    # ------------------------------------------------------------------ public
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The user's param groups (edit ``lr`` here or with a scheduler)."""
+        return self.base.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.base.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> CollectiveReport:
+        """Average gradients, step the owned shard, broadcast parameters.
+
+        Returns the gradient round's :class:`CollectiveReport` (also in
+        ``last_report``; a resync's report is in ``last_resync``).
+        """
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        grads: list[torch.Tensor] = []
+        for ps, flat in zip(self.groups, self.grad_flats, strict=True):
+            if flat is None:
+                continue
+            grads.extend(
+                flat.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])
+            )
+        weight = 1.0
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            log.warning(
+                "peer %s: non-finite gradients at step %d; contributing weight 0",
+                self.peer.peer_id,
+                self.step_count,
+            )
+            for g in grads:
+                torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
+            weight = 0.0
+        params = self._param_buckets()
+        staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
+        gstaged = [g.cpu() for g in grads]
+        report = self.peer._call(self._round(gstaged, staged, weight), self.timeout * 2 + 30)
+        for b, s in zip(params, staged, strict=True):
+            if b is not s:
+                b.copy_(s)
+        self.step_count += 1
+        self.last_report = report
+        return report
+
+    def resync(self) -> CollectiveReport:
+        """Average parameters now and repair every lost chunk (replicas become equal)."""
+        params = self._param_buckets()
+        staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
+        report = self.peer._call(self._resync(staged), self.timeout * 2 + 30)
+        for b, s in zip(params, staged, strict=True):
+            if b is not s:
+                b.copy_(s)
+        return report
+
+    # ------------------------------------------------------------------ loop side
+    def _engine(self) -> LossyAllReduce:
+        return self.peer._engine()
+
+    async def _resync(self, params: list[torch.Tensor]) -> CollectiveReport:
+        report = await self._engine().run(
+            [p.clone() for p in params],
+            dst=params,
+            timeout_s=self.timeout,
+            mode=MODE_RESYNC,
+            repair=True,
+        )
+        report.method = "resync"
+        self.last_resync = report
+        return report
+
+    async def _round(
+        self, grads: list[torch.Tensor], params: list[torch.Tensor], weight: float
+    ) -> CollectiveReport:
+        engine = self._engine()
+        r = max(engine.next_round, engine.max_seen)
+        if r == 0 or (self.resync_every and r % self.resync_every == 0):
+            await self._resync(params)
+
+        def on_reduced(shards: list[OwnedShard]) -> list[torch.Tensor]:
+            return self._step_shards(shards, params)
+
+        return await engine.run(
+            grads,
+            dst=params,
+            weight=weight,
+            timeout_s=self.timeout,
+            on_reduced=on_reduced,
+            mode=MODE_GRADS,
+        )
+
+    def _step_shards(
+        self, shards: list[OwnedShard], params: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        """Step the base optimizer on the owned shards; return their new values."""
+        key: ShardKey = tuple((s.bucket, s.start, s.average.numel()) for s in shards)
+        if key != self._shard_key or self._shard_opt is None:
+            self._rebuild(key, params)
+        assert self._shard_opt is not None
+        for group, (b, _, _) in zip(self._shard_opt.param_groups, self._live(key), strict=True):
+            for name, value in self.base.param_groups[self.bucket_group[b]].items():
+                if name != "params":
+                    group[name] = value
+        views = self._shard_views
+        for view, shard in zip(views, (s for s in shards if s.average.numel()), strict=True):
+            view.grad = shard.average.to(view.dtype)
+        self._shard_opt.step()
+        for view in views:
+            view.grad = None
+        out = []
+        live = iter(views)
+        for s in shards:
+            out.append(next(live).detach() if s.average.numel() else s.average)
+        return out
+
+    @staticmethod
+    def _live(key: ShardKey) -> list[tuple[int, int, int]]:
+        return [k for k in key if k[2] > 0]
+
+    def _rebuild(self, key: ShardKey, params: list[torch.Tensor]) -> None:
+        """New shard map: rebuild the shard optimizer, carrying state for kept elements."""
+        full = self._full_state(params) if self._pending_state is None else self._pending_state
+        self._pending_state = None
+        views = [params[b].narrow(0, start, n) for b, start, n in self._live(key)]
+        groups = [
+            {
+                "params": [v],
+                **{
+                    k: val
+                    for k, val in self.base.param_groups[self.bucket_group[b]].items()
+                    if k != "params"
+                },
+            }
+            for v, (b, _, _) in zip(views, self._live(key), strict=True)
+        ]
+        opt = type(self.base)(groups, **self.base.defaults) if groups else None
+        if opt is not None and full:
+            for v, (b, start, n) in zip(views, self._live(key), strict=True):
+                per_key = full["buckets"].get(b, {})
+                if per_key:
+                    st: dict[str, Any] = {
+                        k: t.narrow(0, start, n).clone().to(v.dtype)
+                        if t.dtype.is_floating_point
+                        else t.clone()
+                        for k, t in per_key.items()
+                    }
+                    for scalar, value in full.get("scalars", {}).items():
+                        st[scalar] = value.clone() if torch.is_tensor(value) else value
+                    opt.state[v] = st
+        self._shard_key, self._shard_opt, self._shard_views = key, opt, views
+
+    def _full_state(self, params: list[torch.Tensor]) -> dict[str, Any]:
+        """The sharded state spread over full-length per-bucket tensors (zeros elsewhere)."""
+        out: dict[str, Any] = {"buckets": {}, "scalars": {}}
+        if self._shard_opt is None:
+            return out
+        for v, (b, start, n) in zip(self._shard_views, self._live(self._shard_key), strict=True):
+            for k, t in self._shard_opt.state.get(v, {}).items():
+                if torch.is_tensor(t) and t.dim() >= 1 and t.numel() == n:
+                    full = (
+                        out["buckets"]
+                        .setdefault(b, {})
+                        .setdefault(k, torch.zeros(params[b].numel(), dtype=t.dtype))
+                    )
+                    full.narrow(0, start, n).copy_(t)
+                else:
+                    out["scalars"][k] = t
+        return out
+
+    def _param_buckets(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for flat in self.param_flats:
+            if flat is not None:
+                out.extend(flat.buckets)
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Step count, base hyperparameters and this peer's sharded state.
+
+        The state is stored as full-length per-bucket tensors (zeros outside the
+        shard this peer owned), so it loads under any later shard map.
+        """
+        params = self._param_buckets()
+        return {
+            "step_count": self.step_count,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.base.param_groups
+            ],
+            "sharded": self._full_state(params)
+            if self._pending_state is None
+            else self._pending_state,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])
+        for g, saved in zip(self.base.param_groups, state["param_groups"], strict=True):
+            g.update(saved)
+        self._pending_state = state["sharded"]
+        self._shard_key = ()  # rebuild with the loaded state at the next step
+        self._shard_opt = None
