@@ -33,6 +33,8 @@ The last stdout line is one JSON object; its ``lossless_vs_gloo`` and
 from __future__ import annotations
 
 import cProfile
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -240,14 +242,35 @@ def _cell(rows: list[Row]) -> dict[str, Any]:
     }
 
 
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--set wants KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except json.JSONDecodeError:
+        return key, value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--chunk-kib", type=int, nargs="*", default=[256],
                         help="extra chunk_bytes rows, in KiB (the default Config is 64 KiB)")
+    parser.add_argument("--sizes", type=int, nargs="+", metavar="N",
+                        help="element counts instead of the preset's")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a gossipnet.Config override for every gossipnet row (repeatable)")
     parser.add_argument("--profile", metavar="DIR",
                         help="cProfile rank 0's event-loop thread per gossipnet row into DIR")
     args = parser.parse_args(argv)  # fmt: skip
     plan = build_plan(args.quick, args.chunk_kib, args.profile)
+    if args.set:
+        extra = dict(_parse_override(kv) for kv in args.set)
+        plan = dataclasses.replace(plan, cases=tuple(
+            dataclasses.replace(c, overrides={**extra, **c.overrides})
+            if c.backend == "gossipnet" else c for c in plan.cases))
+    if args.sizes:
+        plan = dataclasses.replace(plan, sizes=tuple(args.sizes))
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
     started = time.perf_counter()
@@ -278,14 +301,14 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
     print(f"{WORLD} processes on 127.0.0.1, float32, {plan.warmup} warm-up + {plan.reps} timed "
           "reps; time = median over reps of the slowest process (barrier release -> return)")
     print(f"{'case':32} {'elements':>10} {'median s':>9} {'min s':>8} {'vs gloo':>8} "
-          f"{'deliv':>6} {'stale':>10} {'rel err':>8}")  # fmt: skip
+          f"{'deliv':>6} {'stale':>10} {'cut':>4} {'rel err':>8}")  # fmt: skip
     for (name, n), c in cells.items():
         gloo = cells[("gloo", n)]["median_s"]
         deliv = "" if c["delivered_fraction"] is None else f"{c['delivered_fraction']:.3f}"
         stale = "" if c["stale_chunks"] is None else f"{c['stale_chunks']:.1f}/{c['chunks_total']}"
         err = "" if "loss" in name else f"{c['max_rel_err']:.1e}"
         print(f"{name:32} {n:>10} {c['median_s']:9.4f} {c['min_s']:8.4f} "
-              f"{c['median_s'] / gloo:8.2f} {deliv:>6} {stale:>10} {err:>8}")  # fmt: skip
+              f"{c['median_s'] / gloo:8.2f} {deliv:>6} {stale:>10} {c['timed_out']:>4} {err:>8}")  # fmt: skip
     summary: dict[str, Any] = {"world": WORLD, "sizes": list(plan.sizes), "per_size": {}}
     for n in plan.sizes:
         gloo = cells[("gloo", n)]["median_s"]

@@ -47,10 +47,11 @@ class Config:
             appear, then goes on with those present (a warning names the absent).
     Collectives
         collective_timeout_s: default upper bound of one all-reduce / averaging round.
-        phase_min_wait_s: a lossy phase waits at least this long after its first arrival
-            before a learned deadline may cut it.
-        phase_deadline_factor: a phase ends at ``factor x`` the arrival span observed
-            in recent lossless-complete phases (never beyond the timeout).
+        phase_min_wait_s: floor of the learned per-sender allowance: a sender is never
+            cut sooner than this after its first packet of a phase, nor while it sent
+            something within this long.
+        phase_deadline_factor: a sender's allowance is ``factor x`` the median span
+            (first packet to END marker) of recent senders; never beyond the timeout.
         resync_every_steps: full parameter resync period of the lossy optimizer (0 = never).
     """
 
@@ -77,7 +78,7 @@ class Config:
     join_timeout_s: float = 30.0
     # collectives
     collective_timeout_s: float = 10.0
-    phase_min_wait_s: float = 0.02
+    phase_min_wait_s: float = 0.05
     phase_deadline_factor: float = 3.0
     resync_every_steps: int = 100
 

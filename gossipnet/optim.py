@@ -20,6 +20,7 @@ user's ``base.param_groups`` before every step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -200,7 +201,8 @@ class GossipOptimizer:
         key: ShardKey = tuple((s.bucket, s.start, s.average.numel()) for s in shards)
         if key != self._shard_key or self._shard_opt is None:
             self._rebuild(key, params)
-        assert self._shard_opt is not None
+        if self._shard_opt is None:  # this peer owns no chunk in this round
+            return [s.average for s in shards]
         for group, (b, _, _) in zip(self._shard_opt.param_groups, self._live(key), strict=True):
             for name, value in self.base.param_groups[self.bucket_group[b]].items():
                 if name != "params":
@@ -237,7 +239,7 @@ class GossipOptimizer:
             }
             for v, (b, _, _) in zip(views, self._live(key), strict=True)
         ]
-        opt = type(self.base)(groups, **self.base.defaults) if groups else None
+        opt = type(self.base)(groups, **self._ctor_defaults()) if groups else None
         if opt is not None and full:
             for v, (b, start, n) in zip(views, self._live(key), strict=True):
                 per_key = full["buckets"].get(b, {})
@@ -252,6 +254,14 @@ class GossipOptimizer:
                         st[scalar] = value.clone() if torch.is_tensor(value) else value
                     opt.state[v] = st
         self._shard_key, self._shard_opt, self._shard_views = key, opt, views
+
+    def _ctor_defaults(self) -> dict[str, Any]:
+        """``base.defaults`` restricted to what the class's constructor accepts
+        (AdamW keeps ``decoupled_weight_decay`` in defaults but takes no such argument)."""
+        params = inspect.signature(type(self.base).__init__).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            return dict(self.base.defaults)
+        return {k: v for k, v in self.base.defaults.items() if k in params}
 
     def _full_state(self, params: list[torch.Tensor]) -> dict[str, Any]:
         """The sharded state spread over full-length per-bucket tensors (zeros elsewhere)."""
@@ -268,7 +278,8 @@ class GossipOptimizer:
                     )
                     full.narrow(0, start, n).copy_(t)
                 else:
-                    out["scalars"][k] = t
+                    # clone: optimizers bump scalar state (Adam's step) in place
+                    out["scalars"][k] = t.clone() if torch.is_tensor(t) else t
         return out
 
     def _param_buckets(self) -> list[torch.Tensor]:

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 END_COPIES = 3
 _YIELD_EVERY = 32  # packets sent between yields, so receiving never starves
 _MAX_BUFFERED_PACKETS = 200_000
-_SPAN_HISTORY = 16
+_SPAN_HISTORY = 64
 
 #: ``on_reduced`` receives the owned shards with their averaged values and returns
 #: the values to broadcast for those ranges (same order), e.g. stepped parameters.
@@ -73,15 +73,29 @@ class _Phase:
 
     expected: set[str]
     start: float = 0.0
-    last_arrival: float = float("-inf")
     done: set[str] = field(default_factory=set)
     declared: dict[str, int] = field(default_factory=dict)
     received: collections.Counter[str] = field(default_factory=collections.Counter)
-    event: asyncio.Event = field(default_factory=asyncio.Event)
+    first: dict[str, float] = field(default_factory=dict)  # first arrival per sender
+    last: dict[str, float] = field(default_factory=dict)  # latest arrival per sender
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def check(self) -> None:
-        if self.expected <= self.done:
-            self.event.set()
+    @property
+    def complete(self) -> bool:
+        return self.expected <= self.done
+
+    def arrived(self, src: str, now: float) -> None:
+        if src not in self.first:
+            self.first[src] = now
+            self.wake.set()  # a new sender is active: its own deadline starts now
+        self.last[src] = now
+
+    def finish(self, src: str, now: float) -> float:
+        """``src``'s END arrived; return its span (first arrival to END)."""
+        self.arrived(src, now)
+        self.done.add(src)
+        self.wake.set()
+        return now - self.first[src]
 
 
 class _Round:
@@ -234,7 +248,7 @@ class LossyAllReduce:
         rnd = _Round(r, node.peer_id, parts, src, dst, weight, chunk_bytes, mode)
         self._round = rnd
         self.next_round = r + 1
-        node.beacon[self.tag] = self.next_round
+        node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it
         for stale in [k for k in self._buffered if k < r]:
             self._nbuffered -= len(self._buffered.pop(stale))
         try:
@@ -264,6 +278,7 @@ class LossyAllReduce:
         finally:
             self._round = None
             self._last = rnd
+            node.beacon[self.tag] = self.next_round
 
     async def _send_rs(self, rnd: _Round, weight: float) -> None:
         node = self.node
@@ -349,35 +364,44 @@ class LossyAllReduce:
     async def _wait_phase(self, phase: _Phase, name: str, deadline: float) -> bool:
         """Wait until every expected END arrived, or give up; True if complete.
 
-        Gives up at ``deadline`` (the call's bound), or once past the learned
-        deadline (``phase_deadline_factor`` x the median span of recent complete
-        phases) when nothing has arrived for a quarter of that span: a phase that
-        is still receiving is not cut, a phase whose stragglers are lost is.
+        Each sender gets its own learned allowance, counted from its first packet
+        of the phase: ``phase_deadline_factor`` x the median first-packet-to-END
+        span of recent senders, and never while it is still sending.  Why per
+        sender: peers start a round at different times (compute skew), so a clock
+        started at our own start would cut slow-but-alive peers, while one started
+        at their first packet only cuts peers whose remaining packets are lost.
+        A sender that sent nothing yet is waited for until ``deadline`` (the
+        call's bound) or until membership declares it dead.
         """
         clock = self.node.clock
         cfg = self.node.config
-        phase.check()
         history = self._spans[name]
+        allowance = idle = float("inf")
         if history:
             typical = statistics.median(history)
-            learned = phase.start + max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * typical)
-            idle_gap = max(cfg.phase_min_wait_s, 0.25 * typical)
-        else:
-            learned, idle_gap = deadline, 0.0
-        while not phase.event.is_set():
+            allowance = max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * typical)
+            idle = max(cfg.phase_min_wait_s, typical)
+        while not phase.complete:
             now = clock.now()
-            quiet_since = max(phase.last_arrival, phase.start)
-            if now >= deadline or (now >= learned and now - quiet_since >= idle_gap):
+            if now >= deadline:
                 return False
-            wake_at = min(deadline, max(learned, quiet_since + idle_gap))
-            waiter = asyncio.ensure_future(phase.event.wait())
+            pending = phase.expected - phase.done
+            cut_at = deadline
+            if all(p in phase.first for p in pending):
+                cut_at = min(
+                    deadline,
+                    max(max(phase.first[p] + allowance, phase.last[p] + idle) for p in pending),
+                )
+                if now >= cut_at:
+                    return False
+            phase.wake.clear()
+            waiter = asyncio.ensure_future(phase.wake.wait())
             try:
-                await self.node._wait_future(waiter, max(0.0, wake_at - now))
+                await self.node._wait_future(waiter, max(0.0, cut_at - now))
             except TimeoutError:
                 pass
             finally:
                 waiter.cancel()
-        history.append(clock.now() - phase.start)
         return True
 
     async def _repair(self, rnd: _Round, deadline: float) -> bool:
@@ -494,9 +518,9 @@ class LossyAllReduce:
             n = pkt.fields.get("n")
             if isinstance(n, int) and n >= 0:
                 phase.declared[pkt.src] = n
-            phase.done.add(pkt.src)
-            phase.last_arrival = self.node.clock.now()
-            phase.check()
+            if pkt.src not in phase.done:
+                span = phase.finish(pkt.src, self.node.clock.now())
+                self._spans["rs" if kind == Kind.RS_END else "ag"].append(span)
 
     def _chunk_of(self, rnd: _Round, pkt: Packet) -> tuple[int, int, torch.Tensor] | None:
         """Validate (bucket, chunk, dtype, count) against our plan; None = drop."""
@@ -543,7 +567,7 @@ class LossyAllReduce:
         rnd.wsum[b][c - owned.start] += float(w)
         rnd.count[b][c - owned.start] += 1
         rnd.rs.received[pkt.src] += 1
-        rnd.rs.last_arrival = self.node.clock.now()
+        rnd.rs.arrived(pkt.src, self.node.clock.now())
 
     def _on_ag(self, rnd: _Round, pkt: Packet) -> None:
         got = self._chunk_of(rnd, pkt)
@@ -559,7 +583,7 @@ class LossyAllReduce:
         rnd.plans[b].view(rnd.dst[b], c).copy_(values)
         rnd.got[b][c] = True
         rnd.ag.received[pkt.src] += 1
-        rnd.ag.last_arrival = self.node.clock.now()
+        rnd.ag.arrived(pkt.src, self.node.clock.now())
 
     def _on_heartbeat(self, pkt: Packet) -> None:
         nxt = pkt.fields.get(self.tag)
@@ -572,7 +596,7 @@ class LossyAllReduce:
             return
         for phase in (rnd.rs, rnd.ag):
             phase.expected.discard(peer)
-            phase.check()
+            phase.wake.set()
 
     # ------------------------------------------------------------------ reporting
     def _report(self, rnd: _Round, elapsed: float, timed_out: bool) -> CollectiveReport:

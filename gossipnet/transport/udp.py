@@ -51,6 +51,7 @@ _FRAMING_FRAMES = 4
 _DRAIN_BATCH = 256
 #: Seconds before a failed name resolution is tried again.
 _RESOLVE_RETRY_S = 1.0
+_MAX_PACKET_BYTES = MAX_DATAGRAM_BYTES - 1 - 4 * _FRAMING_FRAMES
 _HEADERS = [struct.Struct(f">B{n}I") for n in range(_MAX_FRAMES + 1)]
 _QUEUE_FULL_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
 
@@ -126,7 +127,7 @@ class UdpTransport(Transport):
 
     @property
     def max_packet_bytes(self) -> int:
-        return MAX_DATAGRAM_BYTES - 1 - 4 * _FRAMING_FRAMES
+        return _MAX_PACKET_BYTES
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, handler: PacketHandler) -> str:
@@ -213,15 +214,18 @@ class UdpTransport(Transport):
     def send(self, dst: str, frames: Sequence[Buffer]) -> bool:
         """Send one packet to ``dst`` as one datagram; False = dropped and counted.
 
-        Drops: ``dropped_queue_full`` when the kernel's send buffer is full
-        (EAGAIN/ENOBUFS: nothing is buffered in user space);
-        ``dropped_oversize`` when the datagram would exceed 65507 bytes or
-        there are more than 255 frames; ``dropped_unreachable`` for a non-udp or
-        malformed address, a name that does not resolve, or one still resolving
-        (the first packets to a host *name* are dropped while it resolves in the
-        background, as on a real LAN before ARP answers; IP literals never wait);
-        ``send_errors`` before :meth:`start`, after :meth:`close` and for other
-        OS errors.  Never raises for network conditions.
+        Drops:
+            ``dropped_queue_full``: the kernel's send buffer is full (EAGAIN or
+            ENOBUFS); nothing is buffered in user space.
+            ``dropped_oversize``: above :attr:`max_packet_bytes`, a datagram over
+            65507 bytes, or more than 255 frames.
+            ``dropped_unreachable``: a non-udp or malformed address, a name that
+            does not resolve, or one still resolving (the first packets to a host
+            *name* are dropped while it resolves in the background, as on a LAN
+            before ARP answers; IP literals never wait).
+            ``send_errors``: before :meth:`start`, after :meth:`close`, other OS errors.
+
+        Never raises for network conditions.
         """
         stats = self.stats
         sock = self._sock
@@ -241,7 +245,7 @@ class UdpTransport(Transport):
             return False
         lengths = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
         nbytes = sum(lengths)
-        if 1 + 4 * count + nbytes > MAX_DATAGRAM_BYTES:
+        if nbytes > _MAX_PACKET_BYTES or 1 + 4 * count + nbytes > MAX_DATAGRAM_BYTES:
             stats.dropped_oversize += 1
             return False
         data = b"".join([_HEADERS[count].pack(count, *lengths), *frames])

