@@ -125,18 +125,23 @@ def test_param_groups_and_mixed_dtypes() -> None:
         opt = peer.optimizer(
             torch.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1)
         )
+        c_start = None
         for step in range(5):
             a.grad = torch.full_like(a, 1.0 + rank)
             b.grad = torch.full_like(b, 2.0)
             c.grad = torch.full_like(c, float(step))
             opt.step()
-        return [a.detach().clone(), b.detach().float().clone(), c.detach().clone()]
+            if step == 0:
+                c_start = c.detach().clone()  # after the round-0 resync; grad 0 moved nothing
+        assert c_start is not None
+        return [a.detach().clone(), b.detach().float().clone(), c.detach().clone(), c_start]
 
     out = run_peers(3, body)
     for k in range(3):
-        assert torch.equal(out[0][k], out[1][k]) and torch.equal(out[0][k], out[2][k])
-    # c: lr 0.5 on gradients 0..4 -> moved by exactly 0.5 * (0+1+2+3+4) from the synced start
-    assert out[0][2].dtype == torch.float32
+        assert torch.equal(out[0][k], out[1][k])
+        assert torch.equal(out[0][k], out[2][k])
+    # group 2 has its own lr 0.5: gradients 1..4 move c by 0.5 * 10 = 5
+    torch.testing.assert_close(out[0][3] - out[0][2], torch.full((50,), 5.0))
 
 
 def test_state_dict_round_trip() -> None:
