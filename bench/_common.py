@@ -66,14 +66,32 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
         return ports
 
 
-def _worker_main(
-    target: Callable[..., Any], rank: int, args: tuple[Any, ...], out: Any
-) -> None:
+def _worker_main(target: Callable[..., Any], rank: int, args: tuple[Any, ...], out: Any) -> None:
     try:
         out.put((rank, True, target(rank, *args)))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
         raise
+
+
+def _next_result(
+    out: Any, procs: list[Any], results: dict[int, Any], deadline: float, timeout_s: float
+) -> tuple[int, bool, Any]:
+    """The next (rank, ok, value) from ``out``; RuntimeError if a worker died silently."""
+    while True:
+        try:
+            return out.get(timeout=0.5)  # type: ignore[no-any-return]
+        except queue.Empty:
+            pass
+        silent = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
+        if silent:
+            try:  # its last words may still be in the pipe
+                return out.get(timeout=2.0)  # type: ignore[no-any-return]
+            except queue.Empty:
+                codes = {r: procs[r].exitcode for r in silent}
+                raise RuntimeError(f"worker(s) died without a result: exit codes {codes}") from None
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers still running after {timeout_s:.0f} s")
 
 
 def run_workers(
@@ -101,22 +119,7 @@ def run_workers(
     deadline = time.monotonic() + timeout_s
     try:
         while len(results) < n:
-            try:
-                rank, ok, value = out.get(timeout=0.5)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in results and not p.is_alive()]
-                if dead:
-                    with contextlib.suppress(queue.Empty):  # its last words may be in flight
-                        rank, ok, value = out.get(timeout=2.0)
-                        if not ok:
-                            raise RuntimeError(f"worker {rank} failed:\n{value}") from None
-                        results[rank] = value
-                        continue
-                    codes = {r: procs[r].exitcode for r in dead}
-                    raise RuntimeError(f"worker(s) died without a result, exit codes {codes}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"workers still running after {timeout_s:.0f} s") from None
-                continue
+            rank, ok, value = _next_result(out, procs, results, deadline, timeout_s)
             if not ok:
                 raise RuntimeError(f"worker {rank} failed:\n{value}")
             results[rank] = value

@@ -16,9 +16,12 @@ Rows, per payload size (ZeroMQ: 1 KiB and 64 KiB; UDP: 1 KiB and 32 KiB):
 Senders go as fast as they can.  ZeroMQ is lossless once a packet is queued;
 gossipnet's sender retries a dropped packet after 1 ms (``send`` never blocks).
 UDP loses what the receiver cannot keep up with: the loss column says how much.
+Every case runs ``--repeats`` times in interleaved rounds and the table shows
+the median with the min..max spread: on a small shared machine the spread is
+wide, so compare ratios, not single runs.
 
     .venv/bin/python bench/transport.py --quick      # < 60 s
-    .venv/bin/python bench/transport.py              # larger N
+    .venv/bin/python bench/transport.py              # 5x the packets
 
 The last stdout line is one JSON object with the ratios at 64 KiB (ZeroMQ) and
 32 KiB (UDP): ``{"zmq_vs_raw": ..., "udp_vs_raw": ..., ...}``.
@@ -309,7 +312,7 @@ def build_cases(quick: bool, use_uvloop: bool, repeats: int) -> list[Case]:
     Interleaving spreads slow phases of a shared machine over all rows
     instead of penalising whichever row ran during them.
     """
-    small, large = (40_000, 8_000) if quick else (200_000, 40_000)
+    small, large = (30_000, 6_000) if quick else (200_000, 40_000)
     variants = ["raw", "gossipnet"] + (["gossipnet+wire"] if _wire_available() else [])
     one_round = []
     for backend, sizes in (("zmq", (1024, 65536)), ("udp", (1024, 32768))):

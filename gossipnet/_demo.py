@@ -72,7 +72,7 @@ class DemoConfig:
     data_seed: int = 0
     model_seed: int = 0
     strategy: str = "allreduce"
-    chunk_bytes: int | None = 4096
+    chunk_bytes: int | None = 16384
     resync_every: int = 100
     timeout_s: float = 5.0
     corpus_bytes: int = 4_000_000
@@ -273,6 +273,21 @@ def _worker(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
         raise
 
 
+def _warm_up(net: Any, cfg: DemoConfig, tries: int = 5) -> None:
+    """Tiny all-reduces until one completes: a start barrier that also brings every
+    outbound connection up before the first real step.
+
+    Why: ``join()`` returns once it has *heard* from every peer, but its own
+    ZeroMQ connection to a peer may not be up yet (``IMMEDIATE=1`` then drops
+    the first packets as ``dropped_queue_full``), so the first round could lose
+    a whole phase and run to its timeout.
+    """
+    probe = torch.zeros(cfg.peers * (cfg.chunk_bytes or 65536) // 4)  # a chunk per peer
+    for _ in range(tries):
+        if not net.all_reduce([probe], timeout=1.0).timed_out:
+            return
+
+
 def _train(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
     import gossipnet
 
@@ -307,6 +322,7 @@ def _train(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
             else:
                 opt = make(base, strategy="allreduce")
         params = list(model.parameters())
+        _warm_up(net, cfg)
         out.put(("ready", rank, time.monotonic()))
         for step in range(cfg.steps):
             t0 = time.perf_counter()

@@ -42,7 +42,7 @@ from ..rounds import CollectiveReport
 from ..transport.wire import DTYPE_CODES, DTYPES, Kind, Packet
 from .chunks import ChunkPlan, ShardMap, as_bytes, from_bytes
 
-__all__ = ("LossyAllReduce", "OwnedShard")
+__all__ = ("ALLREDUCE_KINDS", "MOSHPIT_KINDS", "EngineKinds", "LossyAllReduce", "OwnedShard")
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,27 @@ _SPAN_HISTORY = 64
 #: ``on_reduced`` receives the owned shards with their averaged values and returns
 #: the values to broadcast for those ranges (same order), e.g. stepped parameters.
 ReduceHook = Callable[[list["OwnedShard"]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKinds:
+    """Packet kinds an engine instance owns, so several engines (the global
+    all-reduce, Moshpit's group rounds) can live on one node without mixing."""
+
+    rs_data: int
+    ag_data: int
+    rs_end: int
+    ag_end: int
+    repair: int
+
+    def all(self) -> tuple[int, ...]:
+        return (self.rs_data, self.ag_data, self.rs_end, self.ag_end, self.repair)
+
+
+ALLREDUCE_KINDS = EngineKinds(Kind.RS_DATA, Kind.AG_DATA, Kind.RS_END, Kind.AG_END, Kind.REPAIR)
+MOSHPIT_KINDS = EngineKinds(
+    Kind.MOSH_RS_DATA, Kind.MOSH_AG_DATA, Kind.MOSH_RS_END, Kind.MOSH_AG_END, Kind.MOSH_REPAIR
+)
 
 
 @dataclass(slots=True)
@@ -152,9 +173,12 @@ class _Round:
 class LossyAllReduce:
     """The all-reduce engine of one node; every method runs on the loop thread."""
 
-    def __init__(self, node: Node, *, tag: str = "ar") -> None:
+    def __init__(
+        self, node: Node, *, tag: str = "ar", kinds: EngineKinds = ALLREDUCE_KINDS
+    ) -> None:
         self.node = node
         self.tag = tag
+        self.k = kinds
         self.next_round = 0
         self.max_seen = -1
         self._round: _Round | None = None
@@ -167,7 +191,7 @@ class LossyAllReduce:
         }
         self._lock = asyncio.Lock()
         self.dropped: collections.Counter[str] = collections.Counter()
-        for kind in (Kind.RS_DATA, Kind.AG_DATA, Kind.RS_END, Kind.AG_END, Kind.REPAIR):
+        for kind in kinds.all():
             node.subscribe(kind, self._on_packet)
         node.on_heartbeat(self._on_heartbeat)
         node.on_membership(self._on_membership)
@@ -301,7 +325,7 @@ class LossyAllReduce:
                     "dt": code,
                     "n": count,
                 }
-                if node.send(owner, Kind.RS_DATA, fields, raw[plan.byte_slice(c)]):
+                if node.send(owner, self.k.rs_data, fields, raw[plan.byte_slice(c)]):
                     rnd.sent += 1
                 per_dest[owner] += 1
                 sent += 1
@@ -310,7 +334,7 @@ class LossyAllReduce:
         for peer in rnd.participants:
             if peer != rnd.me:
                 for _ in range(END_COPIES):
-                    node.send(peer, Kind.RS_END, {"r": rnd.r, "m": rnd.mode, "n": per_dest[peer]})
+                    node.send(peer, self.k.rs_end, {"r": rnd.r, "m": rnd.mode, "n": per_dest[peer]})
 
     def _finish_rs(self, rnd: _Round) -> list[OwnedShard]:
         shards = []
@@ -351,7 +375,7 @@ class LossyAllReduce:
                 payload = raw[span.start - base : span.stop - base]
                 fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
                 for peer in others:
-                    if node.send(peer, Kind.AG_DATA, fields, payload):
+                    if node.send(peer, self.k.ag_data, fields, payload):
                         rnd.sent += 1
                     sent += 1
                     if sent % _YIELD_EVERY == 0:
@@ -359,7 +383,7 @@ class LossyAllReduce:
         for peer in others:
             n = sum(len(o) for o in rnd.owned)
             for _ in range(END_COPIES):
-                node.send(peer, Kind.AG_END, {"r": rnd.r, "m": rnd.mode, "n": n})
+                node.send(peer, self.k.ag_end, {"r": rnd.r, "m": rnd.mode, "n": n})
 
     async def _wait_phase(self, phase: _Phase, name: str, deadline: float) -> bool:
         """Wait until every expected END arrived, or give up; True if complete.
@@ -417,8 +441,11 @@ class LossyAllReduce:
         )
         while True:
             missing = self._missing(rnd)
-            if not missing:
-                return True
+            if not missing:  # nothing left that a live owner could still send
+                return all(
+                    bool(rnd.got[b][: o.start].all()) and bool(rnd.got[b][o.stop :].all())
+                    for b, o in enumerate(rnd.owned)
+                )
             if clock.now() >= deadline:
                 return False
             for (owner, b), chunks in missing.items():
@@ -426,7 +453,7 @@ class LossyAllReduce:
                     part = torch.tensor(chunks[i : i + 4096], dtype=torch.int32)
                     self.node.send(
                         owner,
-                        Kind.REPAIR,
+                        self.k.repair,
                         {"r": rnd.r, "b": b, "dt": "i32", "n": part.numel()},
                         as_bytes(part),
                     )
@@ -467,7 +494,7 @@ class LossyAllReduce:
             span = plan.byte_slice(c)
             fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
             if self.node.send(
-                pkt.src, Kind.AG_DATA, fields, raw[span.start - base : span.stop - base]
+                pkt.src, self.k.ag_data, fields, raw[span.start - base : span.stop - base]
             ):
                 rnd.sent += 1
 
@@ -478,7 +505,7 @@ class LossyAllReduce:
             self.dropped["bad_round"] += 1
             return
         rnd = self._round
-        if pkt.kind == Kind.REPAIR:
+        if pkt.kind == self.k.repair:
             for candidate in (rnd, self._last):
                 if candidate is not None and candidate.r == r:
                     self._serve_repair(candidate, pkt)
@@ -506,21 +533,21 @@ class LossyAllReduce:
 
     def _dispatch(self, rnd: _Round, pkt: Packet) -> None:
         kind = pkt.kind
-        if kind == Kind.RS_DATA:
+        if kind == self.k.rs_data:
             self._on_rs(rnd, pkt)
-        elif kind == Kind.AG_DATA:
+        elif kind == self.k.ag_data:
             if rnd.sending:
                 rnd.pending_ag.append(pkt)
             else:
                 self._on_ag(rnd, pkt)
-        elif kind in (Kind.RS_END, Kind.AG_END):
-            phase = rnd.rs if kind == Kind.RS_END else rnd.ag
+        elif kind in (self.k.rs_end, self.k.ag_end):
+            phase = rnd.rs if kind == self.k.rs_end else rnd.ag
             n = pkt.fields.get("n")
             if isinstance(n, int) and n >= 0:
                 phase.declared[pkt.src] = n
             if pkt.src not in phase.done:
                 span = phase.finish(pkt.src, self.node.clock.now())
-                self._spans["rs" if kind == Kind.RS_END else "ag"].append(span)
+                self._spans["rs" if kind == self.k.rs_end else "ag"].append(span)
 
     def _chunk_of(self, rnd: _Round, pkt: Packet) -> tuple[int, int, torch.Tensor] | None:
         """Validate (bucket, chunk, dtype, count) against our plan; None = drop."""

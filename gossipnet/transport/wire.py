@@ -100,7 +100,11 @@ class Kind(IntEnum):
     REPAIR = 22
     MOSH_JOIN = 32
     MOSH_GROUP = 33
-    MOSH_DATA = 34
+    MOSH_RS_DATA = 34
+    MOSH_AG_DATA = 35
+    MOSH_RS_END = 36
+    MOSH_AG_END = 37
+    MOSH_REPAIR = 38
     STATE_REQ = 48
     STATE_DATA = 49
 

@@ -431,7 +431,9 @@ def test_send_reliable_to_a_dead_peer_returns_false_at_its_deadline(
             counting = Counting(nodes[1])
             await nodes[1].close(announce=False)
             t0 = clock.now()
-            ok = await drive(clock, nodes[0].send_reliable("p1", TEST_KIND, {"i": 0}, timeout_s=0.8))
+            ok = await drive(
+                clock, nodes[0].send_reliable("p1", TEST_KIND, {"i": 0}, timeout_s=0.8)
+            )
             took = clock.now() - t0
             assert ok is False
             assert 0.8 <= took <= 0.8 + 0.01

@@ -25,8 +25,13 @@ FAST = {
 
 
 def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any) -> list[Any]:
-    """Run ``body(rank, peer)`` on ``n`` joined peers in threads; return the results."""
+    """Run ``body(rank, peer)`` on ``n`` joined peers in threads; return the results.
+
+    Peers leave only after every body returned, so no peer's departure cuts a
+    round (or a repair) another peer is still in.
+    """
     net = MemoryNetwork()
+    done = threading.Barrier(n, timeout=60)
     addrs = [f"mem://p{i}" for i in range(n)]
     results: list[Any] = [None] * n
     errors: list[BaseException] = []
@@ -42,6 +47,7 @@ def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any)
                 **{**FAST, **config},
             ) as peer:
                 results[i] = body(i, peer)
+                done.wait()
         except BaseException as err:  # surfaced in the main thread below
             errors.append(err)
 
