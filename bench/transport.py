@@ -8,9 +8,12 @@ measures, at the receiver, payload bytes received / (last - first arrival).
 Rows, per payload size (ZeroMQ: 1 KiB and 64 KiB; UDP: 1 KiB and 32 KiB):
   raw            pyzmq PUSH/PULL ``send_multipart`` (copying, as for a mutable
                  tensor buffer) / a plain UDP socket with the same datagram size
-  raw-zc         pyzmq zero-copy send (``copy=False``), ZeroMQ only: an upper
-                 bound that is unsafe for buffers the caller reuses
-  gossipnet      ``Transport.send`` and the packet handler
+  raw-zc         pyzmq zero-copy send (``copy=False``) of an immutable ``bytes``
+                 payload, ZeroMQ 64 KiB only
+  gossipnet      ``Transport.send`` and the packet handler; the payload is a
+                 mutable buffer, which ZmqTransport copies at send (as raw does)
+  gossipnet-zc   the same with a ``bytes`` payload, which ZmqTransport sends
+                 without a copy (compare with raw-zc)
   gossipnet+wire the same plus ``WireCodec.encode``/``decode`` (HMAC per packet)
 
 Senders go as fast as they can.  ZeroMQ is lossless once a packet is queued;
@@ -51,7 +54,7 @@ IDLE_S = 0.5  # a UDP receiver stops after this long without a packet
 @dataclass(frozen=True)
 class Case:
     backend: str  # "zmq" | "udp"
-    variant: str  # "raw" | "raw-zc" | "gossipnet" | "gossipnet+wire"
+    variant: str  # "raw" | "raw-zc" | "gossipnet" | "gossipnet-zc" | "gossipnet+wire"
     payload_bytes: int
     packets: int
     uvloop: bool
@@ -182,7 +185,9 @@ def _raw_udp_recv(case: Case, addr_q: Queue[str], res: Result) -> None:
 # ---------------------------------------------------------------------- senders
 def _send(case: Case, addr: str, release: Event) -> int:
     """Send ``case.packets`` packets to ``addr``; returns gossipnet's drop-and-retry count."""
-    payload = memoryview(bytearray(b"p" * case.payload_bytes))  # mutable, like a tensor view
+    payload: Any = memoryview(bytearray(b"p" * case.payload_bytes))  # mutable, like a tensor
+    if case.variant.endswith("-zc"):
+        payload = b"p" * case.payload_bytes  # immutable: safe to send without a copy
     if case.variant.startswith("raw"):
         _raw_send(case, addr, payload, release)
         return 0
@@ -216,7 +221,7 @@ def _send(case: Case, addr: str, release: Event) -> int:
     return retries
 
 
-def _raw_send(case: Case, addr: str, payload: memoryview, release: Event) -> None:
+def _raw_send(case: Case, addr: str, payload: Any, release: Event) -> None:
     if case.backend == "udp":
         host, port = addr.removeprefix("udp://").rsplit(":", 1)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -263,8 +268,15 @@ def _get(q: Queue[Any], procs: list[mp.process.BaseProcess], timeout_s: float) -
                 raise RuntimeError(f"bench worker(s) {dead or 'timed out'}") from None
 
 
-def run_cases(cases: list[Case]) -> list[tuple[Case, Result]]:
-    """Run every case through one receiver and one sender process (spawned once)."""
+def run_cases(
+    one_round: list[Case], repeats: int, budget_s: float | None = None
+) -> list[tuple[Case, Result]]:
+    """Run ``repeats`` rounds of every case through one receiver and one sender process.
+
+    Interleaved rounds spread slow phases of a shared machine over all rows
+    instead of penalising whichever row ran during them.  With ``budget_s``,
+    no round starts that would likely end past the budget (the first always runs).
+    """
     ctx = mp.get_context("spawn")
     rx_q: Queue[Case | None] = ctx.Queue()
     tx_q: Queue[tuple[Case, str] | None] = ctx.Queue()
@@ -279,15 +291,20 @@ def run_cases(cases: list[Case]) -> list[tuple[Case, Result]]:
     for p in procs:
         p.start()
     results = []
+    started = time.monotonic()
     try:
-        for case in cases:
-            release.clear()
-            rx_q.put(case)
-            tx_q.put((case, _get(addr_q, procs, 60)))
-            res = _get(rx_out, procs, 120)
-            release.set()
-            res.sender_retries = _get(tx_out, procs, 60)
-            results.append((case, res))
+        for done_rounds in range(repeats):
+            elapsed_s = time.monotonic() - started
+            if done_rounds and budget_s and elapsed_s * (1 + 1 / done_rounds) > budget_s:
+                break
+            for case in one_round:
+                release.clear()
+                rx_q.put(case)
+                tx_q.put((case, _get(addr_q, procs, 60)))
+                res = _get(rx_out, procs, 120)
+                release.set()
+                res.sender_retries = _get(tx_out, procs, 60)
+                results.append((case, res))
     finally:
         rx_q.put(None)
         tx_q.put(None)
@@ -306,26 +323,26 @@ def _wire_available() -> bool:
     return True
 
 
-def build_cases(quick: bool, use_uvloop: bool, repeats: int) -> list[Case]:
-    """Every (backend, size, variant), repeated in interleaved rounds.
-
-    Interleaving spreads slow phases of a shared machine over all rows
-    instead of penalising whichever row ran during them.
-    """
+def build_cases(quick: bool, use_uvloop: bool) -> list[Case]:
+    """One round: every (backend, size, variant)."""
     small, large = (30_000, 6_000) if quick else (200_000, 40_000)
-    variants = ["raw", "gossipnet"] + (["gossipnet+wire"] if _wire_available() else [])
+    wire = ["gossipnet+wire"] if _wire_available() else []
     one_round = []
     for backend, sizes in (("zmq", (1024, 65536)), ("udp", (1024, 32768))):
         for size in sizes:
-            extra = ["raw-zc"] if backend == "zmq" and size > 1024 else []
-            for variant in variants[:1] + extra + variants[1:]:
+            zc = ["raw-zc", "gossipnet-zc"] if backend == "zmq" and size > 1024 else []
+            for variant in ["raw", "gossipnet", *zc, *wire]:
                 packets = small if size <= 1024 else large
                 one_round.append(Case(backend, variant, size, packets, use_uvloop))
-    return one_round * repeats
+    return one_round
 
 
 def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
-    """Print the table of medians over repeats; return the summary for the JSON line."""
+    """Print the table of medians over repeats; return the summary for the JSON line.
+
+    ``vs raw*``: median goodput over the raw row's median for the same backend and
+    size; ``-zc`` rows are compared with ``raw-zc``, the others with ``raw``.
+    """
     by_case: dict[Case, list[Result]] = {}
     for case, res in results:
         by_case.setdefault(case, []).append(res)
@@ -333,15 +350,20 @@ def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
     def median_mbs(case: Case) -> float:
         return statistics.median(r.goodput_mbs for r in by_case[case])
 
-    raw = {(c.backend, c.payload_bytes): median_mbs(c) for c in by_case if c.variant == "raw"}
+    raw = {
+        (c.backend, c.payload_bytes, c.variant.endswith("-zc")): median_mbs(c)
+        for c in by_case
+        if c.variant.startswith("raw")
+    }
     print(
         f"{'backend':7} {'variant':15} {'payload':>8} {'MB/s':>9} {'min..max':>15} "
-        f"{'vs raw':>7} {'loss%':>6} {'retries':>8}"
+        f"{'vs raw*':>7} {'loss%':>6} {'retries':>8}"
     )
-    summary: dict[str, Any] = {"rows": []}
+    summary: dict[str, Any] = {"rounds": min(len(runs) for runs in by_case.values()), "rows": []}
     for case, runs in by_case.items():
         mbs = median_mbs(case)
-        ratio = mbs / (raw.get((case.backend, case.payload_bytes)) or float("nan"))
+        zc = case.variant.endswith("-zc")
+        ratio = mbs / (raw.get((case.backend, case.payload_bytes, zc)) or float("nan"))
         loss = 100.0 * (1 - sum(r.packets for r in runs) / (case.packets * len(runs)))
         retries = sum(r.sender_retries for r in runs) // len(runs)
         spread = f"{min(r.goodput_mbs for r in runs):.0f}..{max(r.goodput_mbs for r in runs):.0f}"
@@ -352,9 +374,9 @@ def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
         summary["rows"].append({**asdict(case), "goodput_mbs": round(mbs, 1),
                                 "vs_raw": round(ratio, 3), "loss_pct": round(loss, 2)})  # fmt: skip
         key = {("zmq", 65536): "zmq", ("udp", 32768): "udp"}.get((case.backend, case.payload_bytes))
-        if key and case.variant in ("gossipnet", "gossipnet+wire"):
-            suffix = "" if case.variant == "gossipnet" else "_wire"
-            summary[f"{key}{suffix}_vs_raw"] = round(ratio, 3)
+        suffix = {"gossipnet": "", "gossipnet-zc": "_zc", "gossipnet+wire": "_wire"}
+        if key and case.variant in suffix:
+            summary[f"{key}{suffix[case.variant]}_vs_raw"] = round(ratio, 3)
     return summary
 
 
@@ -362,7 +384,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small N, finishes in < 60 s")
     parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds; the table shows medians")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds (fewer if --quick runs late); medians"
+    )
     args = parser.parse_args(argv)
     use_uvloop = args.loop == "uvloop"
     if use_uvloop:
@@ -371,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
         except ImportError:
             use_uvloop = False
     started = time.perf_counter()
-    results = run_cases(build_cases(args.quick, use_uvloop, args.repeats))
+    budget_s = 45.0 if args.quick else None  # --quick must end within a minute
+    results = run_cases(build_cases(args.quick, use_uvloop), args.repeats, budget_s)
     summary = report(results)
     summary["loop"] = "uvloop" if use_uvloop else "asyncio"
     summary["elapsed_s"] = round(time.perf_counter() - started, 1)

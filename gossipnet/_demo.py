@@ -22,8 +22,8 @@ import socket
 import sysconfig
 import time
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ("VOCAB", "DemoConfig", "DemoResult", "EvalRecord", "StepRecord", "run_demo")
+__all__ = (
+    "VOCAB",
+    "DemoConfig",
+    "DemoResult",
+    "EvalRecord",
+    "StepRecord",
+    "run_demo",
+    "run_demos",
+)
 
 #: Fixed vocabulary: 0 = unknown byte, then newline, tab and printable ASCII.  Fixed
 #: (not derived from the text) so that every peer and every run agree on token ids.
@@ -65,7 +73,7 @@ class DemoConfig:
     lr: float = 3e-3
     warmup_steps: int = 20
     eval_every: int = 50
-    eval_windows: int = 256
+    eval_windows: int = 128
     loss: float = 0.0
     burst: float | None = None
     seed: int = 7
@@ -264,12 +272,22 @@ def lr_at(cfg: DemoConfig, step: int) -> float:
 
 
 # ---------------------------------------------------------------------- one peer
-def _worker(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
-    """One peer process: join, train ``cfg.steps`` steps, report every step to ``out``."""
+def _worker(rank: int, cfgs: list[DemoConfig], inbox: Any, out: Any) -> None:
+    """One peer process: train every config in turn, reporting each step to ``out``.
+
+    Why one process for several runs: importing torch costs seconds per process,
+    a large share of a one-minute comparison on 2 cores.  Before each run the
+    worker asks for that run's addresses, so ports are picked just before use
+    (ports picked minutes ahead may meanwhile serve as some connection's
+    ephemeral source port).
+    """
+    torch.set_num_threads(1)  # N processes share the cores; more threads only contend
     try:
-        _train(rank, cfg, addrs, out)
+        for i, cfg in enumerate(cfgs):
+            out.put(("want", i, rank))
+            _train(i, rank, cfg, inbox.get(timeout=600.0), out)
     except BaseException:
-        out.put(("error", rank, traceback.format_exc()))
+        out.put(("error", -1, rank, traceback.format_exc()))
         raise
 
 
@@ -288,11 +306,10 @@ def _warm_up(net: Any, cfg: DemoConfig, tries: int = 5) -> None:
             return
 
 
-def _train(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
+def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
+    """Run ``run`` on peer ``rank``: join, warm up, train, evaluate, leave."""
     import gossipnet
 
-    # one thread each: N processes share 2 cores; more threads only contend
-    torch.set_num_threads(1)
     train, held = load_corpus(cfg.corpus_bytes)
     shard_len = len(train) // cfg.peers  # each peer trains on its own slice of the stream
     shard = train[rank * shard_len : (rank + 1) * shard_len]
@@ -301,7 +318,11 @@ def _train(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
     torch.manual_seed(cfg.model_seed)  # the same initial weights on every peer
     model = CharLM(cfg)
     base = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    overrides: dict[str, Any] = {"peer_id": f"peer{rank}", "run": "gossipnet-demo"}
+    overrides: dict[str, Any] = {
+        "peer_id": f"peer{rank}",
+        "run": f"gossipnet-demo-{run}",
+        "resync_every_steps": cfg.resync_every,
+    }
     if cfg.chunk_bytes is not None:
         overrides["chunk_bytes"] = cfg.chunk_bytes
     with gossipnet.join(
@@ -318,12 +339,12 @@ def _train(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
             if make is None:  # Peer.optimizer not wired yet: use the module directly
                 from .optim import GossipOptimizer
 
-                opt = GossipOptimizer(net, base, resync_every_steps=cfg.resync_every)
+                opt = GossipOptimizer(net, base)
             else:
                 opt = make(base, strategy="allreduce")
         params = list(model.parameters())
         _warm_up(net, cfg)
-        out.put(("ready", rank, time.monotonic()))
+        out.put(("ready", run, rank, time.monotonic()))
         for step in range(cfg.steps):
             t0 = time.perf_counter()
             for group in base.param_groups:
@@ -341,14 +362,14 @@ def _train(rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
                 if cfg.resync_every and (step + 1) % cfg.resync_every == 0:
                     with torch.no_grad():
                         net.all_reduce([p.data for p in params])
-            out.put(("step", StepRecord(
+            out.put(("step", run, StepRecord(
                 rank, step + 1, float(loss.item()), rep.packets_sent, rep.packets_received,
                 rep.packets_lost, len(rep.contributors), rep.chunks_stale, rep.elapsed_s,
                 time.perf_counter() - t0, rep.timed_out,
             )))  # fmt: skip
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-                out.put(("eval", EvalRecord(rank, step + 1, evaluate(model, held_out))))
-    out.put(("done", rank, None))
+                out.put(("eval", run, EvalRecord(rank, step + 1, evaluate(model, held_out))))
+    out.put(("done", run, rank, time.monotonic()))
 
 
 # ---------------------------------------------------------------------- the run
@@ -372,64 +393,90 @@ def run_demo(
     """Train ``cfg`` on ``cfg.peers`` spawned processes; return every record.
 
     ``on_step`` is called in this process for each peer's step record as it
-    arrives (progress display).  A worker that fails stops the run: the others
-    are killed (they would wait for it in every round) and RuntimeError carries
-    the worker's traceback; so does passing ``timeout_s`` (default scales with
-    ``steps``).
+    arrives (progress display).  See :func:`run_demos` for failures.
+    """
+    return run_demos([cfg], (lambda _run, rec: on_step(rec)) if on_step else None,
+                     timeout_s=timeout_s)[0]  # fmt: skip
+
+
+def run_demos(
+    cfgs: Sequence[DemoConfig],
+    on_step: Callable[[int, StepRecord], None] | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> list[DemoResult]:
+    """Train each config in turn on one set of spawned peer processes.
+
+    All configs need the same ``peers``.  ``on_step(run_index, record)`` sees
+    every peer's step records as they arrive.  A worker that fails stops
+    everything: the others are killed (they would wait for it in every round)
+    and RuntimeError carries the worker's traceback; so does passing
+    ``timeout_s`` (default: scales with the total number of steps).
 
     Raises:
-        RuntimeError: a worker failed or died, or the run timed out.
+        ValueError: no configs, or configs with different ``peers``.
+        RuntimeError: a worker failed or died, or the runs timed out.
     """
+    if not cfgs or len({c.peers for c in cfgs}) != 1:
+        raise ValueError("run_demos needs configs that all have the same number of peers")
+    n = cfgs[0].peers
     ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and our sockets
     out = ctx.Queue()
-    addrs = free_tcp_addresses(cfg.peers)
-    limit = timeout_s if timeout_s is not None else 120.0 + 2.0 * cfg.steps
-    result = DemoResult(config=cfg)
+    inboxes = [ctx.Queue() for _ in range(n)]
+    limit = timeout_s if timeout_s is not None else 120.0 + 2.0 * sum(c.steps for c in cfgs)
+    results = [DemoResult(config=c) for c in cfgs]
     t0 = time.monotonic()
+    starts = [t0] * len(cfgs)
     procs = [
-        ctx.Process(target=_worker, args=(r, cfg, addrs, out), name=f"demo-peer{r}", daemon=True)
-        for r in range(cfg.peers)
+        ctx.Process(target=_worker, args=(r, list(cfgs), inboxes[r], out), daemon=True)
+        for r in range(n)
     ]
     for p in procs:
         p.start()
-    done: set[int] = set()
+    count: dict[tuple[str, int], int] = {}
     try:
-        while len(done) < cfg.peers:
+        while count.get(("done", len(cfgs) - 1), 0) < n:
             try:
-                kind, *payload = out.get(timeout=0.5)
+                kind, run, *payload = out.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and not p.is_alive()]
-                if dead and out.empty():
-                    time.sleep(1.0)  # its last words may still be in flight
-                    if out.empty():
-                        codes = {r: procs[r].exitcode for r in dead}
-                        raise RuntimeError(f"demo peer(s) died, exit codes {codes}") from None
+                _check_alive(procs, out)
                 if time.monotonic() - t0 > limit:
                     raise RuntimeError(f"demo still running after {limit:.0f} s") from None
                 continue
-            if kind == "step":
-                result.steps.append(payload[0])
-                if on_step is not None:
-                    on_step(payload[0])
-            elif kind == "eval":
-                result.evals.append(payload[0])
-            elif kind == "ready":
-                result.startup_s = max(result.startup_s, payload[1] - t0)
-            elif kind == "done":
-                done.add(payload[0])
-            elif kind == "error":
+            if kind == "error":
                 raise RuntimeError(f"demo peer {payload[0]} failed:\n{payload[1]}")
+            res = results[run]
+            count[kind, run] = count.get((kind, run), 0) + 1
+            if kind == "step":
+                res.steps.append(payload[0])
+                if on_step is not None:
+                    on_step(run, payload[0])
+            elif kind == "eval":
+                res.evals.append(payload[0])
+            elif kind == "want" and count[kind, run] == n:  # everyone is waiting: go
+                starts[run] = t0 if run == 0 else time.monotonic()  # run 0: spawn too
+                addrs = free_tcp_addresses(n)
+                for box in inboxes:
+                    box.put(addrs)
+            elif kind == "ready":
+                res.startup_s = max(res.startup_s, payload[1] - starts[run])
+            elif kind == "done" and count[kind, run] == n:
+                res.wall_s = payload[1] - starts[run]
     finally:
         for p in procs:
-            p.join(timeout=5.0 if len(done) == cfg.peers else 0.0)
+            p.join(timeout=5.0 if count.get(("done", len(cfgs) - 1), 0) == n else 0.0)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
         out.close()
-    result.wall_s = time.monotonic() - t0
-    return result
+    return results
 
 
-def config_fields() -> list[str]:
-    """The names of :class:`DemoConfig`'s fields (for CLIs that expose them)."""
-    return [f.name for f in fields(DemoConfig)]
+def _check_alive(procs: list[Any], out: Any) -> None:
+    """Raise if a worker died without saying why (its last words may be in flight)."""
+    dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
+    if dead:
+        time.sleep(1.0)
+        if out.empty():
+            codes = {r: procs[r].exitcode for r in dead}
+            raise RuntimeError(f"demo peer(s) died, exit codes {codes}")

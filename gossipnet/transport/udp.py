@@ -119,9 +119,8 @@ class UdpTransport(Transport):
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._v6 = False
-        # dst URL -> socket address; None = resolution failed at the stored time.
-        self._addrs: dict[str, SockAddr] = {}
-        self._failed: dict[str, float] = {}
+        self._addrs: dict[str, SockAddr] = {}  # dst URL -> resolved socket address
+        self._failed: dict[str, float] = {}  # dst URL -> clock time its lookup failed
         self._resolving: dict[str, asyncio.Task[SockAddr | None]] = {}
         self._closed = False
 

@@ -230,7 +230,6 @@ def test_unbiased_under_random_loss_and_divide_by_n_is_rejected(
     assert min(contributors) >= 1
     z_unbiased = z_score(unbiased)
     z_biased = z_score(divide_by_n)
-    print(f"z unbiased {z_unbiased:.2f}, divide-by-N {z_biased:.2f}, mean count {mean_count:.3f}")
     assert abs(z_unbiased) < Z_REJECT, f"owner estimate looks biased: z={z_unbiased:.2f}"
     assert z_biased < -Z_REJECT, f"divide-by-N was not rejected: z={z_biased:.2f}"
     # and its bias is the predicted (1 - p) shrinkage of the mean contribution
@@ -430,8 +429,38 @@ def test_round_time_does_not_grow_with_loss(
             assert stale > 0
             clean_s = statistics.median(elapsed["clean"])
             lossy_s = statistics.median(elapsed["lossy"])
-            print("TIMING", clean_s, lossy_s, max(elapsed["lossy"]))
             assert lossy_s <= 2 * clean_s, (lossy_s, clean_s)
+
+    run_async(main())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="allreduce.py _wait_phase: with no span history yet, a sender whose data all "
+    "arrived but whose 3 END copies were lost is waited for until the call's timeout",
+)
+@pytest.mark.timeout(15)
+def test_lost_end_markers_do_not_stall_a_cold_round(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """The first round of a fresh engine: p1's three RS_END copies to p0 are lost
+    (probability p^3 per link, so common at scale), every data packet arrives.
+    p0 received all it can expect from p1 (it knows how many chunks it owns), so
+    the round must not sit out the call's timeout."""
+    timeout_s = 4.0
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = engines_of(nodes)
+            lose_on_arrival(nodes[0], lambda pkt: pkt.kind == Kind.RS_END and pkt.src == "p1")
+            gen = torch.Generator().manual_seed(9)
+            inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
+            mean = torch.stack([x[0].double() for x in inputs]).mean(0)
+            reports = await allreduce(drive, clock, engines, inputs, timeout_s=timeout_s)
+            assert max(r.elapsed_s for r in reports) < timeout_s / 4, reports[0]
+            for x in inputs:  # nothing but markers was lost: the result is exact
+                torch.testing.assert_close(x[0].double(), mean, rtol=1e-6, atol=1e-6)
 
     run_async(main())
 

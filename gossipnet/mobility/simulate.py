@@ -1,0 +1,254 @@
+"""Vehicles that drive around a grid city and train one model by gossip over radio.
+
+The simulator compares topology choices on *the same* city, routes, data, radio and
+loss model (ALGORITHMS.md section 4; RoADTrain's CARLA setup was not available, so
+this is a reconstruction).  Every round each vehicle trains locally for
+``compute_s`` simulated seconds while it keeps driving, then the fleet communicates
+under one of these strategies:
+
+``route``        shared routes predict distances over the round; the topology module
+                 picks phases (matchings) by lambda2 gain per second, each started
+                 when its links will still be in contact (RoADTrain, reconstructed).
+``loss_aware``   the same choice from *current* distances held fixed: it knows each
+                 link's reliability now but not where the vehicles are going.
+``all_in_range`` every pair in range now exchanges, one matching after another
+                 (Metropolis gossip with all neighbours), however long that takes.
+``random``       one random perfect matching over the whole fleet (random gossip).
+``sgp``          Stochastic Gradient Push: push-sum to ``i + 2^e mod n`` (SGP's
+                 directed exponential graph), one out-peer per round.
+
+Exchanges succeed or fail by the radio model on the vehicles' *actual* trajectories,
+which differ from the shared routes by traffic noise.  Symmetric strategies skip a
+failed exchange at both ends (mean kept); SGP keeps an undelivered share at the
+sender (push-sum mass kept).  A planned phase ends on schedule; an unplanned
+transfer ends when it finishes or at ``timeout_s``.  Time is simulated seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ._learning import Mlp, make_dataset
+from .mixing import consensus_error, mix_matching, push_sum_step, sgp_out_peers
+from .radio import RadioModel, link_table, static_positions
+from .routes import CityGrid, Itinerary, TrafficConfig, positions
+from .topology import ScheduleConfig, edge_colouring, plan_schedule
+
+__all__ = ("STRATEGIES", "Fleet", "SimConfig", "Trace", "simulate")
+
+STRATEGIES = ("route", "loss_aware", "all_in_range", "random", "sgp")
+
+FloatArray = np.ndarray
+IntArray = np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimConfig:
+    """One simulated fleet.  Units are in the names.
+
+    ``model_bytes`` is what one model costs on the air: a stand-in for a realistic
+    on-board model (4 MB ~ 1M fp32 parameters) while the MLP that is really trained
+    stays small so that a run takes seconds.
+    """
+
+    vehicles: int = 16
+    city: CityGrid = field(default_factory=lambda: CityGrid(blocks_x=4, blocks_y=4))
+    traffic: TrafficConfig = field(default_factory=TrafficConfig)
+    radio: RadioModel = field(default_factory=RadioModel)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    model_bytes: float = 4.0e6
+    timeout_s: float = 20.0
+    phase_slack: float = 0.1
+    compute_s: float = 2.0
+    rounds: int = 120
+    local_steps: int = 2
+    lr: float = 0.1
+    batch: int = 32
+    hidden: int = 32
+    data_noise: float = 2.0
+    classes_per_vehicle: int = 2
+    dt_s: float = 0.25
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.vehicles < 2:
+            raise ValueError(f"need >= 2 vehicles, got {self.vehicles}")
+        for name in ("model_bytes", "timeout_s", "compute_s", "lr", "dt_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SimConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if min(self.rounds, self.local_steps, self.batch, self.hidden) < 1:
+            raise ValueError("rounds, local_steps, batch and hidden must be >= 1")
+        if self.phase_slack < 0:
+            raise ValueError("phase_slack must be >= 0")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Trace:
+    """Per-round history of one run: clock, test accuracy/loss (mean over vehicles), spread."""
+
+    strategy: str
+    time_s: FloatArray
+    accuracy: FloatArray
+    loss: FloatArray
+    consensus: FloatArray
+    tried: IntArray
+    delivered: IntArray
+
+    def rounds_to(self, accuracy: float) -> float:
+        """First round (1-based) whose mean accuracy reaches ``accuracy``; inf if none."""
+        hit = np.flatnonzero(self.accuracy >= accuracy)
+        return float(hit[0] + 1) if hit.size else math.inf
+
+    def seconds_to(self, accuracy: float) -> float:
+        """Simulated seconds until the mean accuracy reaches ``accuracy``; inf if never."""
+        hit = np.flatnonzero(self.accuracy >= accuracy)
+        return float(self.time_s[hit[0]]) if hit.size else math.inf
+
+    def rounds_to_consensus(self, error: float) -> float:
+        """First round whose consensus error is <= ``error`` after the first rise; inf if none."""
+        peak = int(np.argmax(self.consensus))
+        hit = np.flatnonzero(self.consensus[peak:] <= error)
+        return float(peak + hit[0] + 1) if hit.size else math.inf
+
+
+class Fleet:
+    """The shared world of one seed: itineraries, data, initial model.
+
+    Every strategy runs on the same fleet, so differences come from the strategy only.
+    """
+
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        rng = np.random.default_rng([config.seed, 1])
+        longest = config.rounds * (config.compute_s + 4 * config.timeout_s) + 600.0
+        self.itineraries = [
+            Itinerary.random(config.city, config.traffic, rng, duration_s=longest)
+            for _ in range(config.vehicles)
+        ]
+        self.data = make_dataset(
+            config.vehicles,
+            classes_per_vehicle=config.classes_per_vehicle,
+            noise=config.data_noise,
+            seed=config.seed,
+        )
+        self.model = Mlp(self.data.dim, config.hidden, self.data.classes)
+        theta = self.model.init(np.random.default_rng([config.seed, 2]))
+        self.theta0 = np.repeat(theta[None], config.vehicles, axis=0)
+
+    def actual_positions(self, t: FloatArray, who: IntArray | None = None) -> FloatArray:
+        idx = range(self.config.vehicles) if who is None else who
+        return positions([self.itineraries[i].actual for i in idx], t)
+
+    def predicted_positions(self, t0_s: float, t: FloatArray) -> FloatArray:
+        return positions([it.shared_route(t0_s) for it in self.itineraries], t)
+
+    def run_transfers(
+        self, pairs: IntArray, start_s: float, deadline_s: float, nbytes: float, rng: np.random.Generator
+    ) -> tuple[np.ndarray, FloatArray]:
+        """Actual outcome of transfers started together: (delivered, seconds each used)."""
+        pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        if len(pairs) == 0:
+            return np.zeros(0, bool), np.zeros(0)
+        dt = self.config.dt_s
+        t = start_s + dt * np.arange(math.ceil(deadline_s / dt) + 2)
+        who, local = np.unique(pairs, return_inverse=True)
+        pos = self.actual_positions(t, who)
+        table = link_table(pos, self.config.radio, nbytes, dt, starts=1, pairs=local.reshape(-1, 2))
+        dur, prob = table.duration_s[:, 0], table.probability[:, 0]
+        ok = (dur <= deadline_s) & (rng.random(len(pairs)) < prob)
+        return ok, np.minimum(dur, deadline_s)
+
+
+def _communicate(
+    fleet: Fleet, strategy: str, x: FloatArray, w: FloatArray, t0: float, rnd: int, rng: np.random.Generator
+) -> tuple[FloatArray, FloatArray, float, int, int]:
+    """One communication period; returns new (x, w), seconds used, exchanges tried/delivered."""
+    cfg = fleet.config
+    n, swap = cfg.vehicles, 2.0 * cfg.model_bytes
+    if strategy in ("route", "loss_aware"):
+        steps = math.ceil(cfg.schedule.budget_s / cfg.dt_s) + 1
+        grid = t0 + cfg.dt_s * np.arange(steps)
+        if strategy == "route":
+            pos = fleet.predicted_positions(t0, grid)
+        else:
+            pos = static_positions(fleet.actual_positions(grid[:1]), steps)
+        sched = plan_schedule(link_table(pos, cfg.radio, swap, cfg.dt_s), cfg.schedule)
+        used, tried, got = 0.0, 0, 0
+        for ph in sched.phases:
+            slot = ph.duration_s * (1.0 + cfg.phase_slack)
+            ok, _ = fleet.run_transfers(ph.edges, t0 + used, slot, swap, rng)
+            x = mix_matching(x, ph.edges, ok)
+            used, tried, got = used + slot, tried + len(ok), got + int(ok.sum())
+        return x, w, used, tried, got
+    if strategy == "sgp":
+        links = sgp_out_peers(n, rnd)
+        used, ok_all = 0.0, np.zeros(len(links), bool)
+        for m in edge_colouring(n, links):  # half-duplex: no one sends and receives at once
+            ok, took = fleet.run_transfers(links[m], t0 + used, cfg.timeout_s, cfg.model_bytes, rng)
+            ok_all[m] = ok
+            used += float(took.max())
+        x, w = push_sum_step(x, w, links, ok_all)
+        return x, w, used, len(links), int(ok_all.sum())
+    if strategy == "random":
+        perm = rng.permutation(n)
+        phases = [perm[: n - n % 2].reshape(-1, 2)]
+    elif strategy == "all_in_range":
+        pos = fleet.actual_positions(np.array([t0]))[:, 0]
+        iu, ju = np.triu_indices(n, k=1)
+        near = np.linalg.norm(pos[iu] - pos[ju], axis=1) <= cfg.radio.range_m
+        edges = np.stack([iu[near], ju[near]], axis=1)
+        phases = [edges[m] for m in edge_colouring(n, edges)]
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    used, tried, got = 0.0, 0, 0
+    for edges in phases:
+        ok, took = fleet.run_transfers(edges, t0 + used, cfg.timeout_s, swap, rng)
+        x = mix_matching(x, edges, ok)
+        used += float(took.max())
+        tried, got = tried + len(ok), got + int(ok.sum())
+    return x, w, used, tried, got
+
+
+def simulate(config: SimConfig, strategy: str, fleet: Fleet | None = None) -> Trace:
+    """Train the fleet's model by decentralised SGD under ``strategy``; return the trace.
+
+    Deterministic: the same config, strategy and seed give the same trace.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    fleet = fleet or Fleet(config)
+    data, model, n = fleet.data, fleet.model, config.vehicles
+    comm_rng = np.random.default_rng([config.seed, 3, zlib.crc32(strategy.encode())])
+    batch_rng = np.random.default_rng([config.seed, 4])
+    x, w = fleet.theta0.copy(), np.ones(n)
+    train_x, train_y = np.stack(data.train_x), np.stack(data.train_y)
+    rows = np.arange(n)[:, None]
+    t = 0.0
+    out: dict[str, list[float]] = {k: [] for k in ("t", "acc", "loss", "cons", "tried", "got")}
+    for rnd in range(config.rounds):
+        for _ in range(config.local_steps):
+            idx = batch_rng.integers(train_y.shape[1], size=(n, config.batch))
+            _, grad = model.loss_grad(x / w[:, None], train_x[rows, idx], train_y[rows, idx])
+            x = x - config.lr * grad
+        t += config.compute_s
+        x, w, used, tried, got = _communicate(fleet, strategy, x, w, t, rnd, comm_rng)
+        t += used
+        z = x / w[:, None]
+        acc, loss = model.evaluate(z, data.test_x, data.test_y)
+        for key, val in zip(
+            out, (t, acc.mean(), loss.mean(), consensus_error(z), tried, got), strict=True
+        ):
+            out[key].append(float(val))
+    return Trace(
+        strategy=strategy,
+        time_s=np.array(out["t"]),
+        accuracy=np.array(out["acc"]),
+        loss=np.array(out["loss"]),
+        consensus=np.array(out["cons"]),
+        tried=np.array(out["tried"], dtype=np.int64),
+        delivered=np.array(out["got"], dtype=np.int64),
+    )

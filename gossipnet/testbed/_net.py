@@ -1,0 +1,409 @@
+"""k hosts on one switch, built from network namespaces, and their faults.
+
+Topology: a "switch" namespace holds bridge ``br0``; each host is a namespace
+whose ``eth0`` is one end of a veth pair, the other end (``p<i>``) a bridge
+port.  Both ends are created directly inside their namespaces, so nothing is
+ever added to, or named in, the machine's own network namespace, and the same
+private subnet can be reused by parallel testbeds without a clash.  Neighbour
+entries are static (no ARP), so the kernel's random drops hit only the traffic
+under test, and IPv6 is off on the links (no router solicitations in the
+counters).
+
+Faults live where a real network has them: random loss and cuts on the
+switch's forwarding path (nftables, see :mod:`._shaping` for why not in the
+sender), bandwidth caps as ``tbf`` queues on both ends of a host's link.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from . import _registry
+from ._proc import HostProcess, PyTask
+from ._shaping import TABLE, LinkState, parse_counters, render_ruleset, tbf_args
+from ._sys import TestbedError, TestbedUnavailable, netns_exec, run, unavailable_reason
+
+__all__ = ("Host", "Leftovers", "Testbed", "TestbedConfig")
+
+log = logging.getLogger(__name__)
+_seq = itertools.count()
+BRIDGE = "br0"
+HOST_IF = "eth0"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TestbedConfig:
+    """Shape of a testbed.
+
+    Attributes:
+        hosts: number of hosts (namespaces ``h0..``), 1 to 250.
+        subnet: an IPv4 /24 of private addresses; host i gets ``.i+1``.  It exists
+            only inside the testbed's namespaces.
+        mtu: the links' MTU in bytes (1500 Ethernet; 9000 for jumbo frames).
+        keep_logs: keep the run directory (children's stdout/stderr) after teardown.
+    """
+
+    hosts: int = 4
+    subnet: str = "10.77.0.0/24"
+    mtu: int = 1500
+    keep_logs: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.hosts <= 250:
+            raise ValueError(f"hosts must be in [1, 250], got {self.hosts}")
+        net = ipaddress.ip_network(self.subnet)
+        if net.version != 4 or net.prefixlen != 24 or not net.is_private:
+            raise ValueError(f"subnet must be a private IPv4 /24, got {self.subnet!r}")
+        if not 576 <= self.mtu <= 65535:
+            raise ValueError(f"mtu must be in [576, 65535], got {self.mtu}")
+
+
+@dataclass(frozen=True, slots=True)
+class Leftovers:
+    """What of a testbed still exists; all empty after a clean teardown."""
+
+    namespaces: tuple[str, ...] = ()
+    processes: tuple[int, ...] = ()
+    interfaces: tuple[str, ...] = ()  # veths/bridge still visible in the switch
+
+    def __bool__(self) -> bool:
+        return bool(self.namespaces or self.processes or self.interfaces)
+
+
+@dataclass(slots=True, eq=False)
+class Host:
+    """One host of a :class:`Testbed`: a namespace with ``eth0`` at :attr:`ip`."""
+
+    testbed: Testbed = field(repr=False)
+    index: int
+    name: str
+    ns: str
+    ip: str
+    mac: str
+    port: str  # switch-side interface
+    _count: Callable[[], int] = field(
+        default_factory=lambda: itertools.count().__next__, repr=False
+    )
+
+    def url(self, port: int, scheme: str = "udp") -> str:
+        """``scheme://<ip>:<port>``, e.g. a gossipnet listen address."""
+        return f"{scheme}://{self.ip}:{port}"
+
+    def run(self, argv: Sequence[str], *, timeout_s: float = 15.0, check: bool = True) -> Any:
+        """Run a short command in this host and return its ``CompletedProcess``."""
+        return run(netns_exec(self.ns, argv), timeout_s=timeout_s, check=check)
+
+    def popen(
+        self, argv: Sequence[str], *, label: str | None = None, env: Mapping[str, str] = {}
+    ) -> HostProcess:
+        """Start ``argv`` in this host; teardown kills it if it is still running."""
+        proc = HostProcess(
+            self.ns,
+            argv,
+            log_dir=self.testbed.run_dir,
+            label=label or f"{self.name}-cmd{self._count()}",
+            env=self.testbed.child_env(self, env),
+        )
+        self.testbed.track(proc)
+        return proc
+
+    def start(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        label: str | None = None,
+        env: Mapping[str, str] = {},
+        standalone: bool = False,
+        **kwargs: Any,
+    ) -> PyTask:
+        """Start ``fn(*args, **kwargs)`` in a Python process inside this host.
+
+        ``standalone``: load ``fn``'s module file directly, without importing its
+        package (skips gossipnet's torch import for stdlib-only helpers).
+        """
+        task = PyTask(
+            self.ns,
+            fn,
+            args,
+            kwargs,
+            log_dir=self.testbed.run_dir,
+            label=label or f"{self.name}-py{self._count()}",
+            env=self.testbed.child_env(self, env),
+            standalone=standalone,
+        )
+        self.testbed.track(task)
+        return task
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float, **kwargs: Any) -> Any:
+        """``start(fn, ...)`` and wait for its result, at most ``timeout_s``."""
+        return self.start(fn, *args, **kwargs).result(timeout_s)
+
+    def snmp(self) -> dict[str, dict[str, int]]:
+        """This host's ``/proc/net/snmp`` (e.g. ``["Ip"]["FragCreates"]``,
+        ``["Udp"]["RcvbufErrors"]``): tells kernel buffer drops from wire drops."""
+        text = self.run(["cat", "/proc/net/snmp"]).stdout.splitlines()
+        out: dict[str, dict[str, int]] = {}
+        for head, values in zip(text[::2], text[1::2], strict=False):
+            proto, names = head.split(":", 1)
+            nums = values.split(":", 1)[1].split()
+            out[proto] = {k: int(v) for k, v in zip(names.split(), nums, strict=False)}
+        return out
+
+
+class Testbed:
+    """k hosts on a switch with per-host loss, caps and cuts; always torn down.
+
+    Use as a context manager (``with Testbed(hosts=4) as tb:``); :meth:`up`
+    and :meth:`down` are the same steps by hand.  Every setting method applies
+    at once and may be called while hosts run.
+
+    Raises:
+        TestbedUnavailable: on :meth:`up`, when this machine cannot host it.
+    """
+
+    def __init__(self, config: TestbedConfig | None = None, **overrides: Any) -> None:
+        cfg = config or TestbedConfig()
+        self.config = replace(cfg, **overrides) if overrides else cfg
+        self.name = f"{_registry.PREFIX}{os.getpid()}x{next(_seq)}"
+        self.switch = f"{self.name}-sw"
+        net = ipaddress.ip_network(self.config.subnet)
+        self.hosts = [
+            Host(
+                testbed=self,
+                index=i,
+                name=f"h{i}",
+                ns=f"{self.name}-h{i}",
+                ip=str(net.network_address + i + 1),
+                mac=f"02:77:{(os.getpid() >> 8) & 0xFF:02x}:{os.getpid() & 0xFF:02x}:00:{i + 1:02x}",
+                port=f"p{i}",
+            )
+            for i in range(self.config.hosts)
+        ]
+        self.links = {h.name: LinkState(host=h.name, port=h.port) for h in self.hosts}
+        self.rates: dict[str, tuple[float, float] | None] = {h.name: None for h in self.hosts}
+        self.ports_down: set[str] = set()
+        self.run_dir = Path(tempfile.gettempdir()) / f"{self.name}-run"
+        self._procs: list[HostProcess] = []
+        self._inodes: set[int] = set()
+        self._up = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def up(self) -> Testbed:
+        """Create the switch, the hosts and their links; on any failure tear down and raise."""
+        reason = unavailable_reason()
+        if reason:
+            raise TestbedUnavailable(reason)
+        _registry.cleanup_stale()
+        _registry.register(self)
+        self._up = True
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._add_ns(self.switch)
+            sw = ["ip", "-n", self.switch]
+            run([*sw, "link", "add", BRIDGE, "mtu", str(self.config.mtu), "type", "bridge"])
+            run([*sw, "link", "set", BRIDGE, "up"])
+            for h in self.hosts:
+                self._add_host(h)
+            for h in self.hosts:
+                for other in self.hosts:
+                    if other is not h:
+                        run(["ip", "-n", h.ns, "neigh", "replace", other.ip, "lladdr", other.mac,
+                             "dev", HOST_IF, "nud", "permanent"])  # fmt: skip
+            self._apply_rules()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _add_ns(self, ns: str) -> None:
+        run(["ip", "netns", "add", ns])
+        inode = _registry.netns_inode(ns)
+        if inode is not None:
+            self._inodes.add(inode)
+        run(["ip", "-n", ns, "link", "set", "lo", "up"])
+        # IPv6 off: no router/neighbour solicitations mixed into the measured traffic
+        run(netns_exec(ns, ["sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1"]), check=False)
+
+    def _add_host(self, h: Host) -> None:
+        self._add_ns(h.ns)
+        mtu = str(self.config.mtu)
+        run(["ip", "link", "add", HOST_IF, "netns", h.ns, "mtu", mtu, "address", h.mac,
+             "type", "veth", "peer", "name", h.port, "netns", self.switch, "mtu", mtu])  # fmt: skip
+        run(["ip", "-n", self.switch, "link", "set", h.port, "master", BRIDGE, "up"])
+        # a static forwarding entry: an unknown (never seen) MAC would be flooded to
+        # every port, and each flooded copy meets the loss rules again
+        run(["bridge", "-n", self.switch, "fdb", "replace", h.mac, "dev", h.port, "master",
+             "static"])  # fmt: skip
+        run(["ip", "-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", HOST_IF])
+        run(["ip", "-n", h.ns, "link", "set", HOST_IF, "up"])
+
+    def __enter__(self) -> Testbed:
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down(raise_on_leftovers=exc[0] is None)
+
+    def down(self, *, raise_on_leftovers: bool = True) -> Leftovers:
+        """Kill every process, delete links, bridge and namespaces; idempotent.
+
+        Each step runs even if an earlier one failed.  Returns what is left
+        (empty when clean); with ``raise_on_leftovers`` a non-empty remainder
+        raises, otherwise it is logged (used while another exception unwinds).
+        """
+        if not self._up:
+            return Leftovers()
+        self._up = False
+        errors: list[str] = []
+        for proc in self._procs:
+            try:
+                proc.kill()
+            except TestbedError as err:
+                errors.append(str(err))
+        namespaces = [h.ns for h in self.hosts] + [self.switch]
+        for ns in namespaces:
+            try:
+                _registry.kill_netns_processes(ns)
+            except TestbedError as err:
+                errors.append(str(err))
+        # links first, so that "no veth or bridge left" is checked, not assumed
+        for h in self.hosts:
+            run(["ip", "-n", self.switch, "link", "del", h.port], check=False)
+        run(["ip", "-n", self.switch, "link", "del", BRIDGE], check=False)
+        left_ifs = self._switch_interfaces()
+        for ns in namespaces:
+            run(["ip", "netns", "del", ns], check=False)
+        _registry.unregister(self)
+        if not self.config.keep_logs:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        left = self.leftovers()
+        left = Leftovers(left.namespaces, left.processes, tuple(left_ifs))
+        if left or errors:
+            msg = f"testbed {self.name}: teardown left {left} ({'; '.join(errors)})"
+            if raise_on_leftovers:
+                raise TestbedError(msg)
+            log.error("%s", msg)
+        return left
+
+    def _switch_interfaces(self) -> list[str]:
+        out = run(["ip", "-n", self.switch, "-o", "link", "show"], check=False).stdout
+        names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+        return [n for n in names if n != "lo"]
+
+    def leftovers(self) -> Leftovers:
+        """Namespaces of this testbed that exist and processes still inside them."""
+        ours = {self.switch, *(h.ns for h in self.hosts)}
+        listed = run(["ip", "netns", "list"], check=False).stdout.split()
+        ns = tuple(sorted(ours & set(listed)))
+        return Leftovers(ns, tuple(_registry.processes_in(self._inodes, self.name)))
+
+    def track(self, proc: HostProcess) -> None:
+        self._procs.append(proc)
+
+    def child_env(self, host: Host, extra: Mapping[str, str]) -> dict[str, str]:
+        """A child's environment: ours, tagged for leftover checks, one torch thread."""
+        env = dict(os.environ)
+        env.update({
+            "GNTB_TAG": self.name,
+            "GNTB_HOST": host.name,
+            "GNTB_IP": host.ip,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+        })  # fmt: skip
+        env.update(extra)
+        return env
+
+    # ------------------------------------------------------------------ faults
+    def host(self, which: int | str | Host) -> Host:
+        """A host by index, name (``"h2"``) or itself."""
+        if isinstance(which, Host):
+            return which
+        if isinstance(which, int):
+            return self.hosts[which]
+        for h in self.hosts:
+            if which in (h.name, h.ip):
+                return h
+        raise KeyError(f"no host {which!r} in {[h.name for h in self.hosts]}")
+
+    def _targets(self, which: int | str | Host | None) -> list[Host]:
+        return list(self.hosts) if which is None else [self.host(which)]
+
+    def set_loss(
+        self, which: int | str | Host | None, rate: float, *, direction: str = "out"
+    ) -> None:
+        """Drop frames of host ``which`` (None = every host) at random with ``rate``.
+
+        ``direction``: ``"out"`` (frames it sends: with every host at rate p each
+        host-to-host packet is lost with probability exactly p), ``"in"``, or
+        ``"both"`` (end-to-end loss 1-(1-p)^2 when both ends have it).
+        """
+        if direction not in ("out", "in", "both"):
+            raise ValueError(f"direction must be 'out', 'in' or 'both', got {direction!r}")
+        for h in self._targets(which):
+            link = self.links[h.name]
+            if direction in ("out", "both"):
+                link = replace(link, loss_out=rate)
+            if direction in ("in", "both"):
+                link = replace(link, loss_in=rate)
+            self.links[h.name] = link
+        self._apply_rules()
+
+    def cut(self, which: int | str | Host, *, mode: str = "drop") -> None:
+        """Cut host ``which`` off: ``"drop"`` every frame at the switch (its link looks
+        up), or ``"down"`` its switch port (it sees NO-CARRIER, as with a pulled cable)."""
+        h = self.host(which)
+        if mode == "drop":
+            self.links[h.name] = replace(self.links[h.name], cut=True)
+            self._apply_rules()
+        elif mode == "down":
+            run(["ip", "-n", self.switch, "link", "set", h.port, "down"])
+            self.ports_down.add(h.name)
+        else:
+            raise ValueError(f"mode must be 'drop' or 'down', got {mode!r}")
+
+    def heal(self, which: int | str | Host) -> None:
+        """Undo :meth:`cut` (both modes) for host ``which``."""
+        h = self.host(which)
+        run(["ip", "-n", self.switch, "link", "set", h.port, "up"])
+        self.ports_down.discard(h.name)
+        self.links[h.name] = replace(self.links[h.name], cut=False)
+        self._apply_rules()
+
+    def is_cut(self, which: int | str | Host) -> bool:
+        """True while host ``which`` is cut off (either mode)."""
+        h = self.host(which)
+        return self.links[h.name].cut or h.name in self.ports_down
+
+    def set_rate(
+        self, which: int | str | Host | None, mbit: float | None, *, queue_ms: float = 50.0
+    ) -> None:
+        """Cap host ``which``'s link at ``mbit`` Mbit/s each way (None removes the cap).
+
+        ``queue_ms``: how long a packet may wait in the cap's queue before it
+        is tail-dropped (see :func:`._shaping.tbf_args`).
+        """
+        for h in self._targets(which):
+            for ns, dev in ((h.ns, HOST_IF), (self.switch, h.port)):
+                if mbit is None:
+                    if self.rates[h.name] is not None:
+                        run(netns_exec(ns, ["tc", "qdisc", "del", "dev", dev, "root"]), check=False)
+                else:
+                    run(netns_exec(ns, tbf_args(dev, mbit, queue_ms, self.config.mtu)))
+            self.rates[h.name] = None if mbit is None else (mbit, queue_ms)
+
+    def _apply_rules(self) -> None:
+        script = render_ruleset([self.links[h.name] for h in self.hosts])
+        run(netns_exec(self.switch, ["nft", "-f", "-"]), input_text=script)
+
+    def counters(self) -> dict[str, int]:
+        """Switch packet counters by rule, e.g. ``{"h0 seen-out": 5000, "h0 loss-out": 497}``."""
+        out = run(netns_exec(self.switch, ["nft", "-j", "list", "table", "bridge", TABLE]))
+        return parse_counters(out.stdout)
