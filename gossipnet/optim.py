@@ -111,8 +111,17 @@ class GossipOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.base.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Callable[[], Any] | None = None) -> CollectiveReport:
+    def step(
+        self, closure: Callable[[], Any] | None = None, *, weight: float | None = None
+    ) -> CollectiveReport:
         """Average gradients, step the owned shard, broadcast parameters.
+
+        ``weight`` is this peer's all-reduce weight.  None (default): after a
+        ``net.microbatches`` loop, the summed gradient is divided by the
+        micro-batches it completed and weighted by that count (or by K and 1 with
+        ``normalise="full"``), and the loop's tau and drop rate go into the
+        report's ``extra``; without such a loop, weight 1.  A number: the
+        gradients are sent as they are with that weight.
 
         Returns the gradient round's :class:`CollectiveReport` (also in
         ``last_report``; a resync's report is in ``last_resync``).
@@ -127,7 +136,11 @@ class GossipOptimizer:
             grads.extend(
                 flat.flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps])
             )
-        weight = 1.0
+        mb = self.peer._take_microbatch_report()  # the last net.microbatches loop, once
+        if weight is None:
+            scale, weight = (mb.grad_scale, mb.weight) if mb is not None else (1.0, 1.0)
+            for g in grads if scale != 1.0 else ():
+                g.mul_(scale)
         if not all(bool(torch.isfinite(g).all()) for g in grads):
             log.warning(
                 "peer %s: non-finite gradients at step %d; contributing weight 0",
@@ -145,6 +158,8 @@ class GossipOptimizer:
             if b is not s:
                 b.copy_(s)
         self.step_count += 1
+        if mb is not None:
+            report.extra.update(mb.as_extra())
         self.last_report = report
         return report
 

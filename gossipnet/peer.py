@@ -13,15 +13,17 @@ import logging
 import os
 import secrets as _secrets
 import socket
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import torch
 
 from ._loop import LoopThread
+from ._microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
 from ._node import Node
 from .averaging.allreduce import LossyAllReduce
 from .averaging.chunks import FlatBuffer
+from .averaging.dropcompute import Normalise
 from .clock import Clock
 from .config import Config
 from .errors import ClosedError, ConfigError
@@ -113,6 +115,7 @@ class Peer:
         self._closed = False
         self._allreduce: LossyAllReduce | None = None
         self._flats: dict[tuple[Any, ...], FlatBuffer] = {}
+        self._microbatch = MicrobatchState()
         try:
             self._loop.call(self._start(), timeout_s=config.control_timeout_s + 10)
             if expected_peers is None:
@@ -252,6 +255,56 @@ class Peer:
         (``resync_every_steps``, ``timeout``).
         """
         return GossipOptimizer(self, base, strategy=strategy, **kwargs)
+
+    # ------------------------------------------------------------------ DropCompute
+    def microbatches(
+        self,
+        iterable: Iterable[T],
+        max_microbatches: int = 8,
+        *,
+        tau: TauSpec = None,
+        normalise: Normalise = "completed",
+        clock: Clock | None = None,
+    ) -> MicrobatchLoop[T]:
+        """One step's micro-batches: at most ``max_microbatches``, cut once compute passes tau.
+
+        DropCompute (Giladi et al. 2023): synchronous steps wait for the slowest
+        peer, so a peer stops accumulating at a compute-time threshold and
+        contributes what it has.  Call ``loss.backward()`` on each micro-batch's
+        *mean* loss (no division by K): the next ``opt.step()`` divides the
+        summed gradient by the micro-batches completed and weights the
+        all-reduce by that count, so the step applies the mean over every
+        micro-batch done on every peer; a peer with none contributes weight 0.
+
+        Args:
+            iterable: micro-batches.  A persistent iterator (``it = iter(loader)``,
+                made once) resumes where the last step stopped, so cut micro-batches
+                are deferred, not lost; a DataLoader passed directly restarts each step.
+            max_microbatches: K, the accumulation steps of a full step.
+            tau: ``None`` (no cut-off), seconds, ``"auto"`` (the authors' rule:
+                time warm-up steps on every peer, keep the threshold with the best
+                effective speed-up, re-estimate periodically) or a policy object
+                such as ``gossipnet.AutoTau(config)``.
+            normalise: ``"completed"`` (sum / micro-batches done everywhere) or
+                ``"full"`` (the authors' code: sum / (N * K); dropped ones count as 0).
+            clock: time source of the cut (default: this peer's clock).
+
+        Returns:
+            An iterator; after it ends, ``last_microbatch_report`` holds tau, the
+            count and the drop rate, and ``opt.step()`` copies them into its
+            report's ``extra``.
+        """
+        now = (clock or self._node.clock).now
+        return self._microbatch.loop(self, iterable, max_microbatches, tau, normalise, now)
+
+    @property
+    def last_microbatch_report(self) -> MicrobatchReport | None:
+        """The last finished ``microbatches`` loop: count, tau, drop rate, times."""
+        return self._microbatch.last
+
+    def _take_microbatch_report(self) -> MicrobatchReport | None:
+        """Finish the open ``microbatches`` loop; its report once per loop, else None."""
+        return self._microbatch.take()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:

@@ -168,6 +168,10 @@ class _Round:
         self.broadcast: list[torch.Tensor] = []  # our averaged shards, kept for repairs
         self.sent = 0
         self.late = 0
+        self.ag_chunks_sent = 0
+        # what a sender that shares our view sends us; receiving all of it completes
+        # that sender even if all its END copies were lost
+        self.expect_rs = sum(len(o) for o in self.owned)
 
 
 class LossyAllReduce:
@@ -369,7 +373,11 @@ class LossyAllReduce:
             rnd.broadcast.append(mine)
             raw = as_bytes(mine)
             base = shard.start * plan.itemsize
-            for c in rnd.owned[b]:
+            owned = rnd.owned[b]
+            for c in owned:
+                if shard.weights[c - owned.start] <= 0:
+                    continue  # no weighted contribution arrived: no average exists to share
+                rnd.ag_chunks_sent += 1
                 _, count = plan.chunk(c)
                 span = plan.byte_slice(c)
                 payload = raw[span.start - base : span.stop - base]
@@ -381,9 +389,8 @@ class LossyAllReduce:
                     if sent % _YIELD_EVERY == 0:
                         await asyncio.sleep(0)
         for peer in others:
-            n = sum(len(o) for o in rnd.owned)
             for _ in range(END_COPIES):
-                node.send(peer, self.k.ag_end, {"r": rnd.r, "m": rnd.mode, "n": n})
+                node.send(peer, self.k.ag_end, {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent})
 
     async def _wait_phase(self, phase: _Phase, name: str, deadline: float) -> bool:
         """Wait until every expected END arrived, or give up; True if complete.
@@ -595,6 +602,8 @@ class LossyAllReduce:
         rnd.count[b][c - owned.start] += 1
         rnd.rs.received[pkt.src] += 1
         rnd.rs.arrived(pkt.src, self.node.clock.now())
+        if rnd.rs.received[pkt.src] >= rnd.expect_rs and pkt.src not in rnd.rs.done:
+            self._spans["rs"].append(rnd.rs.finish(pkt.src, self.node.clock.now()))
 
     def _on_ag(self, rnd: _Round, pkt: Packet) -> None:
         got = self._chunk_of(rnd, pkt)
@@ -611,6 +620,10 @@ class LossyAllReduce:
         rnd.got[b][c] = True
         rnd.ag.received[pkt.src] += 1
         rnd.ag.arrived(pkt.src, self.node.clock.now())
+        if rnd.ag.received[pkt.src] >= self._ag_default(rnd, pkt.src) and (
+            pkt.src not in rnd.ag.done
+        ):
+            self._spans["ag"].append(rnd.ag.finish(pkt.src, self.node.clock.now()))
 
     def _on_heartbeat(self, pkt: Packet) -> None:
         nxt = pkt.fields.get(self.tag)

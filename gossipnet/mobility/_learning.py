@@ -105,9 +105,8 @@ class Mlp:
     def logits(self, theta: FloatArray, x: FloatArray) -> FloatArray:
         """(n, B, classes) logits; ``x`` is (B, dim) shared or (n, B, dim) per model."""
         w1, b1, w2, b2 = self._unpack(theta)
-        sub = "bd,ndh->nbh" if x.ndim == 2 else "nbd,ndh->nbh"
-        hid = np.tanh(np.einsum(sub, x, w1) + b1[:, None, :])
-        return np.einsum("nbh,nhc->nbc", hid, w2) + b2[:, None, :]
+        hid = np.tanh(np.matmul(x, w1) + b1[:, None, :])
+        return np.matmul(hid, w2) + b2[:, None, :]
 
     def loss_grad(self, theta: FloatArray, x: FloatArray, y: IntArray) -> tuple[FloatArray, FloatArray]:
         """Mean cross-entropy (n,) and its gradient (n, size) for per-model batches.
@@ -118,8 +117,8 @@ class Mlp:
         """
         w1, b1, w2, b2 = self._unpack(theta)
         n, batch = y.shape
-        hid = np.tanh(np.einsum("nbd,ndh->nbh", x, w1) + b1[:, None, :])
-        z = np.einsum("nbh,nhc->nbc", hid, w2) + b2[:, None, :]
+        hid = np.tanh(np.matmul(x, w1) + b1[:, None, :])
+        z = np.matmul(hid, w2) + b2[:, None, :]
         z = z - z.max(axis=-1, keepdims=True)
         p = np.exp(z)
         p /= p.sum(axis=-1, keepdims=True)
@@ -128,10 +127,10 @@ class Mlp:
         dz = p
         dz[rows] -= 1.0
         dz /= batch
-        g_w2 = np.einsum("nbh,nbc->nhc", hid, dz)
+        g_w2 = np.matmul(hid.transpose(0, 2, 1), dz)
         g_b2 = dz.sum(axis=1)
-        dh = np.einsum("nbc,nhc->nbh", dz, w2) * (1.0 - hid**2)
-        g_w1 = np.einsum("nbd,nbh->ndh", x, dh)
+        dh = np.matmul(dz, w2.transpose(0, 2, 1)) * (1.0 - hid**2)
+        g_w1 = np.matmul(x.transpose(0, 2, 1), dh)
         g_b1 = dh.sum(axis=1)
         grad = np.concatenate(
             [g_w1.reshape(n, -1), g_b1, g_w2.reshape(n, -1), g_b2], axis=1

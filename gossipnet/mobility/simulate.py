@@ -45,6 +45,9 @@ STRATEGIES = ("route", "loss_aware", "all_in_range", "random", "sgp")
 FloatArray = np.ndarray
 IntArray = np.ndarray
 
+#: Routes are generated this many seconds at a time, as the simulated clock needs them.
+_CHUNK_S = 600.0
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimConfig:
@@ -69,7 +72,7 @@ class SimConfig:
     lr: float = 0.1
     batch: int = 32
     hidden: int = 32
-    data_noise: float = 2.0
+    data_noise: float = 1.5
     classes_per_vehicle: int = 2
     dt_s: float = 0.25
     seed: int = 0
@@ -123,11 +126,11 @@ class Fleet:
 
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        rng = np.random.default_rng([config.seed, 1])
-        longest = config.rounds * (config.compute_s + 4 * config.timeout_s) + 600.0
+        # one generator per vehicle: extending one route never changes another's
+        self._rngs = [np.random.default_rng([config.seed, 1, v]) for v in range(config.vehicles)]
         self.itineraries = [
-            Itinerary.random(config.city, config.traffic, rng, duration_s=longest)
-            for _ in range(config.vehicles)
+            Itinerary.random(config.city, config.traffic, rng, duration_s=_CHUNK_S)
+            for rng in self._rngs
         ]
         self.data = make_dataset(
             config.vehicles,
@@ -139,12 +142,23 @@ class Fleet:
         theta = self.model.init(np.random.default_rng([config.seed, 2]))
         self.theta0 = np.repeat(theta[None], config.vehicles, axis=0)
 
+    def _cover(self, until_s: float) -> None:
+        """Extend every route (lazily, in fixed chunks) so it covers ``until_s``."""
+        cfg = self.config
+        for v, it in enumerate(self.itineraries):
+            while it.actual.times_s[-1] < until_s:
+                it = it.extended(cfg.city, cfg.traffic, self._rngs[v], _CHUNK_S)
+            self.itineraries[v] = it
+
     def actual_positions(self, t: FloatArray, who: IntArray | None = None) -> FloatArray:
+        self._cover(float(np.max(t)))
         idx = range(self.config.vehicles) if who is None else who
         return positions([self.itineraries[i].actual for i in idx], t)
 
     def predicted_positions(self, t0_s: float, t: FloatArray) -> FloatArray:
-        return positions([it.shared_route(t0_s) for it in self.itineraries], t)
+        self._cover(float(np.max(t)))
+        horizon = float(np.max(t)) - t0_s
+        return positions([it.shared_route(t0_s, horizon) for it in self.itineraries], t)
 
     def run_transfers(
         self, pairs: IntArray, start_s: float, deadline_s: float, nbytes: float, rng: np.random.Generator
@@ -161,6 +175,21 @@ class Fleet:
         dur, prob = table.duration_s[:, 0], table.probability[:, 0]
         ok = (dur <= deadline_s) & (rng.random(len(pairs)) < prob)
         return ok, np.minimum(dur, deadline_s)
+
+
+def _half_duplex_phases(n: int, links: IntArray) -> list[IntArray]:
+    """Directed links split into phases in which no vehicle sends and receives at once.
+
+    ``i -> j`` and ``j -> i`` (SGP's hop n/2) are one undirected edge twice: the
+    reverse copies get phases of their own.
+    """
+    key = np.sort(links, axis=1)
+    _, first = np.unique(key, axis=0, return_index=True)
+    rest = np.setdiff1d(np.arange(len(links)), first)
+    phases = []
+    for part in (np.sort(first), rest):
+        phases += [part[m] for m in edge_colouring(n, links[part])]
+    return phases
 
 
 def _communicate(
@@ -187,7 +216,7 @@ def _communicate(
     if strategy == "sgp":
         links = sgp_out_peers(n, rnd)
         used, ok_all = 0.0, np.zeros(len(links), bool)
-        for m in edge_colouring(n, links):  # half-duplex: no one sends and receives at once
+        for m in _half_duplex_phases(n, links):
             ok, took = fleet.run_transfers(links[m], t0 + used, cfg.timeout_s, cfg.model_bytes, rng)
             ok_all[m] = ok
             used += float(took.max())
@@ -230,10 +259,14 @@ def simulate(config: SimConfig, strategy: str, fleet: Fleet | None = None) -> Tr
     t = 0.0
     out: dict[str, list[float]] = {k: [] for k in ("t", "acc", "loss", "cons", "tried", "got")}
     for rnd in range(config.rounds):
+        # SGP steps the de-biased z = x / w and turns it back into a numerator, as the
+        # authors' code does (unbias -> step -> ps_numerator); w == 1 for the others.
+        z = x / w[:, None]
         for _ in range(config.local_steps):
             idx = batch_rng.integers(train_y.shape[1], size=(n, config.batch))
-            _, grad = model.loss_grad(x / w[:, None], train_x[rows, idx], train_y[rows, idx])
-            x = x - config.lr * grad
+            _, grad = model.loss_grad(z, train_x[rows, idx], train_y[rows, idx])
+            z = z - config.lr * grad
+        x = z * w[:, None]
         t += config.compute_s
         x, w, used, tried, got = _communicate(fleet, strategy, x, w, t, rnd, comm_rng)
         t += used

@@ -288,11 +288,6 @@ def test_all_zero_weights_give_no_nan(
     run_async(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="allreduce.py: a chunk whose weights sum to 0 is broadcast with the owner's "
-    "own values and receivers adopt them, instead of keeping their own",
-)
 @pytest.mark.timeout(15)
 def test_all_zero_weights_keep_every_peers_own_values(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
@@ -316,11 +311,6 @@ def test_all_zero_weights_keep_every_peers_own_values(
     run_async(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="allreduce.py: when only weight-0 contributions reach an owner, it broadcasts "
-    "its own weight-0 values and the weighted peers adopt them",
-)
 @pytest.mark.timeout(15)
 def test_a_weight_zero_owner_never_leaks_its_values_under_loss(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
@@ -336,7 +326,9 @@ def test_a_weight_zero_owner_never_leaks_its_values_under_loss(
             lose_on_arrival(nodes[0], lambda pkt: pkt.kind == Kind.RS_DATA and pkt.src == "p3")
             inputs = [[torch.full((NUMEL,), float(10**i))] for i in range(N)]
             reports = await allreduce(drive, clock, engines, inputs, weights=[0.0, 0.0, 0.0, 1.0])
-            assert reports[3].chunks_stale == 0  # p0's broadcast did reach p3
+            # p0 holds no weighted value for its chunks, so it shares none: p3 keeps its own
+            # values there and counts those chunks as stale
+            assert reports[3].chunks_stale == owners(NUMEL).count("p0")
             own = owners(NUMEL)
             for c, s in enumerate(chunk_slices(NUMEL)):
                 assert torch.equal(inputs[3][0][s], torch.full_like(inputs[3][0][s], 1000.0)), (
@@ -396,11 +388,11 @@ def test_round_time_does_not_grow_with_loss(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
 ) -> None:
     """Real time: rounds at 30% loss end on their END markers (or a learned,
-    short deadline), not at the call's timeout, and are not twice as slow as
-    lossless ones.  Rounds of both networks alternate, so machine load hits both.
+    short deadline), far from the call's timeout, and are not twice as slow as
+    lossless ones (medians).  Rounds of both networks alternate, so machine load
+    hits both alike.  The first rounds teach the engines their phase spans.
     """
-    numel, warmup, rounds, timeout_s = 8192, 2, 8, 2.0
-    network = MemoryNetwork()
+    numel, warmup, rounds, timeout_s = 8192, 2, 10, 10.0
 
     async def main() -> None:
         async with (
@@ -408,7 +400,7 @@ def test_round_time_does_not_grow_with_loss(
             cluster(
                 N,
                 config=cfg,
-                network=network,
+                network=MemoryNetwork(),  # the same names p0..p3 on a world of their own
                 faults=lambda i: FaultPlan(loss=0.3, seed=20 + i),
             ) as lossy,
         ):
@@ -419,14 +411,15 @@ def test_round_time_does_not_grow_with_loss(
             for rnd in range(warmup + rounds):
                 for name, engines in engines_by_name.items():
                     inputs = [[torch.randn(numel, generator=gen)] for _ in range(N)]
-                    reports = await allreduce(drive, None, engines, inputs, timeout_s=timeout_s)
-                    if rnd < warmup:
+                    if rnd < warmup:  # (a cold round may sit out its timeout: see below)
+                        await allreduce(drive, None, engines, inputs, timeout_s=0.5)
                         continue
+                    reports = await allreduce(drive, None, engines, inputs, timeout_s=timeout_s)
                     for rep in reports:
-                        assert rep.elapsed_s < timeout_s / 2, rep
+                        assert rep.elapsed_s < timeout_s / 4, rep
                         elapsed[name].append(rep.elapsed_s)
                         stale += rep.chunks_stale if name == "lossy" else 0
-            assert stale > 0
+            assert stale > 0  # the loss did bite
             clean_s = statistics.median(elapsed["clean"])
             lossy_s = statistics.median(elapsed["lossy"])
             assert lossy_s <= 2 * clean_s, (lossy_s, clean_s)
@@ -434,11 +427,36 @@ def test_round_time_does_not_grow_with_loss(
     run_async(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="allreduce.py _wait_phase: with no span history yet, a sender whose data all "
-    "arrived but whose 3 END copies were lost is waited for until the call's timeout",
-)
+@pytest.mark.timeout(15)
+def test_lossy_rounds_wait_little_beyond_their_work(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """Virtual time: work is free under a FakeClock, so a round's elapsed time is
+    exactly what it spent waiting for deadlines.  Once the engines know their
+    phase spans, a round at 30% loss waits a few ``phase_min_wait_s`` at most,
+    never anything near its timeout, whatever packets and END markers were lost."""
+    timeout_s = 2.0
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(
+            N, config=cfg, clock=clock, faults=lambda i: FaultPlan(loss=0.3, seed=30 + i)
+        ) as nodes:
+            engines = engines_of(nodes)
+            gen = torch.Generator().manual_seed(10)
+            waited = []
+            for rnd in range(12):
+                inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
+                t = 0.5 if rnd < 2 else timeout_s  # cold rounds may sit out their timeout
+                reports = await allreduce(drive, clock, engines, inputs, timeout_s=t)
+                if rnd >= 2:
+                    waited += [r.elapsed_s for r in reports]
+            assert max(waited) <= 5 * cfg.phase_min_wait_s + 0.02, waited
+            assert max(waited) < timeout_s / 10
+
+    run_async(main())
+
+
 @pytest.mark.timeout(15)
 def test_lost_end_markers_do_not_stall_a_cold_round(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
