@@ -31,7 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ("LogNormalDelay", "NoisePlan", "SlowPeer", "Stall")
+from ._microbatch import MicrobatchLoop
+from .averaging.dropcompute import AutoTau, AutoTauConfig, FixedTau, Normalise
+from .clock import FakeClock
+
+__all__ = ("FleetRun", "LogNormalDelay", "NoisePlan", "SlowPeer", "Stall", "simulate_fleet")
 
 
 @functools.lru_cache(maxsize=8)
@@ -44,6 +48,11 @@ def _lognormal_table(mu: float, sigma: float, support: int) -> tuple[np.ndarray,
     mult.flags.writeable = False
     p.flags.writeable = False
     return mult, p
+
+
+@functools.lru_cache(maxsize=8)
+def _cdf(mu: float, sigma: float, support: int) -> np.ndarray:
+    return np.cumsum(_lognormal_table(mu, sigma, support)[1])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,8 +82,10 @@ class LogNormalDelay:
         return 1 + 0.5 * self.delay_factor, 0.5 * self.delay_factor * sd
 
     def factors(self, rng: np.random.Generator, m: int) -> np.ndarray:
-        mult, p = _lognormal_table(self.mu, self.sigma, self.support)
-        return 1 + 0.5 * self.delay_factor * rng.choice(mult, size=m, p=p)
+        """``m`` factors ``1 + 0.5 * delay_factor * mult`` (inverse-CDF draws)."""
+        mult = _lognormal_table(self.mu, self.sigma, self.support)[0]
+        idx = np.searchsorted(_cdf(self.mu, self.sigma, self.support), rng.random(m), side="right")
+        return 1 + 0.5 * self.delay_factor * mult[np.minimum(idx, len(mult) - 1)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,3 +184,87 @@ class NoisePlan:
             return self.base_s, 0.0
         mean, sd = self.lognormal.moments()
         return self.base_s * mean, self.base_s * sd
+
+
+# --------------------------------------------------------------------------- Monte-Carlo
+@dataclass(slots=True)
+class FleetRun:
+    """Per-step outcome of :func:`simulate_fleet`.
+
+    Attributes:
+        step_s: ``[S]`` step seconds (slowest worker's compute + overhead).
+        compute_s: ``[S, N]`` each worker's compute seconds.
+        completed: ``[S, N]`` micro-batches each worker completed.
+        tau_s: ``[S]`` the threshold in force (NaN = no cut-off).
+        auto: the fleet's :class:`AutoTau` (``tau="auto"``), with its ``choices``.
+    """
+
+    step_s: np.ndarray
+    compute_s: np.ndarray
+    completed: np.ndarray
+    tau_s: np.ndarray
+    auto: AutoTau | None = None
+
+    def drop_rate(self, max_microbatches: int) -> np.ndarray:
+        """``[S]`` share of the fleet's micro-batches dropped per step."""
+        return 1.0 - self.completed.mean(axis=1) / max_microbatches
+
+
+def simulate_fleet(
+    plan: NoisePlan,
+    peers: int,
+    steps: int,
+    max_microbatches: int,
+    *,
+    tau: float | str | None = None,
+    overhead_s: float = 0.0,
+    auto: AutoTauConfig | None = None,
+    normalise: Normalise = "completed",
+) -> FleetRun:
+    """Monte-Carlo of the real step loop: ``peers`` workers in lockstep under ``plan``.
+
+    Each worker runs :class:`~gossipnet._microbatch.MicrobatchLoop` on its own
+    :class:`FakeClock`, advancing it by the plan's micro-batch times; a step
+    lasts the slowest worker's compute plus ``overhead_s`` (all-reduce and
+    optimizer).  With ``tau="auto"`` one :class:`AutoTau` sees every worker's
+    timings, as each peer does through the lossless timing gather (all peers
+    then compute the same tau, so one estimator stands for all).
+    """
+    est = AutoTau(auto or AutoTauConfig()) if tau == "auto" else None
+    fixed = FixedTau(None if tau is None or tau == "auto" else float(tau))
+    hist: list[list[np.ndarray]] = [[] for _ in range(peers)]
+    if est is not None:
+        est.gather = lambda _own: [np.stack(h[-est.config.history_steps :]) for h in hist]
+    step_s = np.zeros(steps)
+    compute = np.zeros((steps, peers))
+    done = np.zeros((steps, peers), dtype=np.int64)
+    taus = np.full(steps, np.nan)
+    now = 0.0
+    for s in range(steps):
+        policy = FixedTau(est.begin(now)) if est is not None else fixed
+        rows = np.full((peers, max_microbatches), np.nan)
+        for w in range(peers):
+            clock = FakeClock(now)
+            times = plan.times(w, s, max_microbatches)
+            loop = MicrobatchLoop(
+                range(max_microbatches),
+                max_microbatches=max_microbatches,
+                policy=policy,
+                normalise=normalise,
+                now=clock.now,
+            )
+            for i in loop:
+                clock.advance(float(times[i]))
+            rep = loop.finish()
+            compute[s, w], done[s, w] = rep.compute_s, rep.completed
+            rows[w, : rep.completed] = rep.times_s
+        taus[s] = np.nan if policy.tau_s is None else policy.tau_s
+        if est is not None:
+            est.record(tuple(rows[0, : done[s, 0]]), max_microbatches)
+            if est.step > est.config.warmup_steps:
+                for w in range(peers):
+                    hist[w].append(rows[w])
+            est.maybe_estimate()
+        step_s[s] = compute[s].max() + overhead_s
+        now += step_s[s]
+    return FleetRun(step_s, compute, done, taus, est)

@@ -196,7 +196,10 @@ def _cut_many(times: np.ndarray, taus: np.ndarray, interruptible: bool) -> tuple
     acc = np.cumsum(times, axis=-1)[None]  # [1, W, S, M]
     t = taus[:, None, None, None]
     m = times.shape[-1]
-    done = (acc <= t).sum(-1) if interruptible else 1 + (acc[..., :-1] <= t).sum(-1)
+    if interruptible:
+        done = np.count_nonzero(acc <= t, axis=-1)
+    else:
+        done = 1 + np.count_nonzero(acc[..., :-1] <= t, axis=-1)
     idx = np.clip(done - 1, 0, m - 1)[..., None]
     full = np.broadcast_to(acc, (len(taus), *acc.shape[1:]))
     spent = np.where(done > 0, np.take_along_axis(full, idx, axis=-1)[..., 0], 0.0)
@@ -210,6 +213,8 @@ def best_threshold(
     points: int = 200,
     min_microbatches: int = 5,
     interruptible: bool = False,
+    max_drop_rate: float | None = None,
+    tolerance: float = 0.0,
 ) -> ThresholdChoice:
     """The authors' ``get_best_threshold``: the grid threshold with the best score.
 
@@ -220,13 +225,22 @@ def best_threshold(
         times: ``[W, S, M]`` seconds per micro-batch of W workers over S steps.
         overhead_s / interruptible: as :func:`threshold_scores`.
         points / min_microbatches: as :func:`threshold_grid`.
+        max_drop_rate: only thresholds dropping at most this share compete (None:
+            any, as the authors).  Why: the score counts dropped samples as lost
+            throughput only, while a large drop also adds gradient noise.
+        tolerance: keep the largest threshold scoring within this of the best.  Why:
+            the score is flat and noisy near its top, so a small tolerance buys a
+            steadier tau and less dropped work for a negligible expected loss.
     """
     taus = threshold_grid(times, points=points, min_microbatches=min_microbatches)
     score, drop, speed = threshold_scores(
         times, taus, overhead_s=overhead_s, interruptible=interruptible
     )
+    if max_drop_rate is not None:
+        score = np.where(drop <= max_drop_rate, score, -np.inf)
+        score[-1] = max(score[-1], -1.0)  # the largest threshold always competes
     best = float(score.max())
-    i = int(np.flatnonzero(score >= best - _TIE)[-1])
+    i = int(np.flatnonzero(score >= best - max(tolerance, _TIE))[-1])
     return ThresholdChoice(
         float(taus[i]),
         float(score[i]),
@@ -269,27 +283,34 @@ class FixedTau:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AutoTauConfig:
-    """Schedule and search of :class:`AutoTau` (defaults: the authors' run).
+    """Schedule and search of :class:`AutoTau` (defaults: the authors' run, plus drift).
 
     Attributes:
         warmup_steps: first steps neither timed nor cut (authors: 5).
-        window_steps: timed steps before the first estimate, and the sliding window
-            of every later one (authors: steps 6..50, i.e. 45).
-        reestimate_every_steps: steps between re-estimates, so tau follows drift
-            (0 = estimate once, as the authors do).
-        grid_points / min_microbatches / interruptible: as :func:`best_threshold`.
-        bootstrap_workers_cap: most workers simulated when only local timings exist.
-        bootstrap_steps: simulated steps per estimate in that case.
-        seed: imputation / bootstrap seed (same on every peer, so peers that hold the
-            same timings choose the same tau).
+        window_steps: timed uncut steps before the first estimate (authors: 45).
+        history_steps: most recent steps every later estimate uses.
+        reestimate_every_steps: steps between estimates (0 = once, as the authors).
+        shift_ratio: when the median micro-batch time of the last
+            ``reestimate_every_steps`` steps differs from the older history's by more
+            than this factor, the older history is dropped, so tau follows the shift.
+        grid_points / min_microbatches / interruptible / max_drop_rate / tolerance: as
+            :func:`best_threshold` (``max_drop_rate=None, tolerance=0`` is the authors'
+            rule; the default tolerance trades <= 0.01 of score for a steadier tau).
+        bootstrap_workers_cap / bootstrap_steps: size of the simulated fleet when
+            only this peer's timings exist.
+        seed: imputation / bootstrap seed (peers holding the same timings agree).
     """
 
     warmup_steps: int = 5
     window_steps: int = 45
+    history_steps: int = 200
     reestimate_every_steps: int = 25
+    shift_ratio: float = 1.3
     grid_points: int = 200
     min_microbatches: int = 5
     interruptible: bool = False
+    max_drop_rate: float | None = None
+    tolerance: float = 0.01
     bootstrap_workers_cap: int = 512
     bootstrap_steps: int = 64
     seed: int = 0
@@ -297,6 +318,8 @@ class AutoTauConfig:
     def __post_init__(self) -> None:
         if self.warmup_steps < 0 or self.window_steps < 2 or self.reestimate_every_steps < 0:
             raise ValueError("need warmup_steps >= 0, window_steps >= 2, reestimate_every >= 0")
+        if self.history_steps < self.window_steps or not self.shift_ratio > 1:
+            raise ValueError("need history_steps >= window_steps and shift_ratio > 1")
         if self.grid_points < 2 or self.min_microbatches < 0 or self.bootstrap_steps < 1:
             raise ValueError("need grid_points >= 2, min_microbatches >= 0, bootstrap_steps >= 1")
 
@@ -307,11 +330,12 @@ Gather = Callable[[np.ndarray], list[np.ndarray]]
 
 
 class AutoTau:
-    """The authors' automatic tau, re-estimated over a sliding window.
+    """The authors' automatic tau, re-estimated as the timings drift.
 
     Steps ``warmup .. warmup + window`` run uncut and are timed; then tau =
     :func:`best_threshold` over every peer's timings, re-estimated every
-    ``reestimate_every_steps`` from the last ``window_steps`` steps.
+    ``reestimate_every_steps`` over up to ``history_steps`` steps, and over the
+    recent ones only once their median moved by ``shift_ratio``.
 
     Why re-estimation needs care: once cutting, dropped micro-batches are never
     timed.  Each timed one is still an unbiased draw (whether it runs depends only
@@ -338,14 +362,19 @@ class AutoTau:
         self.tau_s: float | None = None
         self.step = 0  # steps observed
         self.choices: list[tuple[int, ThresholdChoice]] = []
-        self._rows: deque[np.ndarray] = deque(maxlen=self.config.window_steps)
-        self._walls: deque[float] = deque(maxlen=self.config.window_steps)
+        self._rows: deque[np.ndarray] = deque(maxlen=self.config.history_steps)
+        self._walls: deque[float] = deque(maxlen=self.config.history_steps)
         self._last_start: float | None = None
         self._m = 0
 
     @property
     def last_choice(self) -> ThresholdChoice | None:
         return self.choices[-1][1] if self.choices else None
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The timed history, ``[S, M]`` seconds, NaN where a micro-batch did not run."""
+        return np.stack(self._rows) if self._rows else np.empty((0, self._m))
 
     def begin(self, now_s: float) -> float | None:
         if self._last_start is not None and self.step > self.config.warmup_steps:
@@ -354,9 +383,13 @@ class AutoTau:
         return self.tau_s
 
     def observe(self, times_s: Sequence[float], max_microbatches: int) -> None:
-        cfg = self.config
+        self.record(times_s, max_microbatches)
+        self.maybe_estimate()
+
+    def record(self, times_s: Sequence[float], max_microbatches: int) -> None:
+        """Keep one step's timings (first half of :meth:`observe`)."""
         self.step += 1
-        if self.step <= cfg.warmup_steps:
+        if self.step <= self.config.warmup_steps:
             return
         if max_microbatches != self._m:  # K changed: old rows no longer align
             self._rows.clear()
@@ -364,34 +397,50 @@ class AutoTau:
         row = np.full(max_microbatches, np.nan)
         row[: len(times_s)] = np.asarray(times_s, dtype=np.float64)[:max_microbatches]
         self._rows.append(row)
+
+    def maybe_estimate(self) -> None:
+        """Estimate tau if the schedule says so (second half of :meth:`observe`).
+
+        Split from :meth:`record` so a simulation can record every worker's step
+        before any of them gathers, as a real lockstep all-gather sees it.
+        """
+        cfg = self.config
         since = self.step - cfg.warmup_steps - cfg.window_steps
-        if since == 0 or (
-            since > 0 and cfg.reestimate_every_steps and not since % cfg.reestimate_every_steps
-        ):
+        every = cfg.reestimate_every_steps
+        if since == 0 or (since > 0 and every and not since % every):
             self._estimate()
 
     def _estimate(self) -> None:
         cfg = self.config
         rng = np.random.default_rng([cfg.seed, self.step])
-        own = np.stack(self._rows)
+        own = self.rows
         if self.gather is not None:
             times = _align([r for r in self.gather(own) if r.shape[-1] == own.shape[-1]] or [own])
         else:
+            times = own[None]
+        recent = cfg.reestimate_every_steps or cfg.window_steps
+        if _shifted(times, recent, cfg.shift_ratio):
+            times = times[:, -recent:]
+            for q in (self._rows, self._walls):
+                for _ in range(max(0, len(q) - recent)):
+                    q.popleft()
+        if self.gather is None:
             n = self.world_size() if callable(self.world_size) else self.world_size
-            times = _bootstrap(
-                own, min(max(1, n), cfg.bootstrap_workers_cap), cfg.bootstrap_steps, rng
-            )
+            workers = min(max(1, n), cfg.bootstrap_workers_cap)
+            times = times[0][rng.integers(0, times.shape[1], size=(workers, cfg.bootstrap_steps))]
         ran = np.nan_to_num(times, nan=0.0).sum(axis=-1).max(axis=0)  # what the fleet computed
-        overhead = max(0.0, float(np.mean(self._walls)) - float(ran.mean())) if self._walls else 0.0
+        walls = float(np.mean(self._walls)) if self._walls else 0.0
         full = _impute(times, rng)
         if full is None:
             return
         choice = best_threshold(
             full,
-            overhead_s=overhead,
+            overhead_s=max(0.0, walls - float(ran.mean())),
             points=cfg.grid_points,
             min_microbatches=cfg.min_microbatches,
             interruptible=cfg.interruptible,
+            max_drop_rate=cfg.max_drop_rate,
+            tolerance=cfg.tolerance,
         )
         self.tau_s = choice.tau_s
         self.choices.append((self.step, choice))
@@ -403,17 +452,21 @@ def _align(rows: list[np.ndarray]) -> np.ndarray:
     return np.stack([r[len(r) - s :] for r in rows])
 
 
-def _bootstrap(own: np.ndarray, workers: int, steps: int, rng: np.random.Generator) -> np.ndarray:
-    """``[workers, steps, M]`` rows resampled from this peer's own steps."""
-    idx = rng.integers(0, len(own), size=(workers, steps))
-    return own[idx]
+def _shifted(times: np.ndarray, recent: int, ratio: float) -> bool:
+    """Whether the last ``recent`` steps' median micro-batch time moved by ``ratio``."""
+    if times.shape[1] <= recent:
+        return False
+    new, old = times[:, -recent:], times[:, :-recent]
+    if not (np.isfinite(new).any() and np.isfinite(old).any()):
+        return False
+    a, b = float(np.nanmedian(new)), float(np.nanmedian(old))
+    return a > 0 and b > 0 and max(a / b, b / a) > ratio
 
 
 def _impute(times: np.ndarray, rng: np.random.Generator) -> np.ndarray | None:
     """Fill untimed (NaN) micro-batches from the same worker's timed ones (else anyone's).
 
-    Rows with nothing timed at all are dropped from every worker's window; None if
-    no step is left.
+    None if nothing at all was timed.
     """
     out = times.copy()
     everyone = times[np.isfinite(times)]

@@ -53,7 +53,7 @@ def make_dataset(
     dim: int = 16,
     per_vehicle: int = 256,
     classes_per_vehicle: int = 2,
-    test_size: int = 1000,
+    test_size: int = 500,
     noise: float = 1.0,
     seed: int = 0,
 ) -> Dataset:

@@ -27,6 +27,7 @@ __all__ = (
     "metropolis_weights",
     "mix_matching",
     "push_sum_step",
+    "sgp_hops",
     "sgp_out_peers",
 )
 
@@ -119,18 +120,40 @@ def push_sum_step(
     return x_new, w_new
 
 
-def sgp_out_peers(n: int, iteration: int) -> IntArray:
-    """SGP's directed exponential graph: links ``i -> (i + 2^e) mod n`` for this iteration.
+def sgp_hops(n: int, peers_per_itr: int = 1) -> list[int]:
+    """SGP's out-peer distances: ``j * (k + 1)^i`` for j = 1..k, i = 0.. while < n.
 
-    One out-peer per iteration, rotating ``e`` over 0..floor(log2(n-1)), as the
-    authors' ``DynamicDirectedExponentialGraph`` does (one peer per iteration).
+    The phone book of the authors' ``NPeerDynamicDirectedExponentialGraph`` (k =
+    ``peers_per_itr``); with k = 1 these are the powers of two below n.  Distances
+    that land on the same peer are listed once, as the authors' ``_add_peers`` does.
+    """
+    if n < 2 or peers_per_itr < 1:
+        raise ValueError(f"need n >= 2 and peers_per_itr >= 1, got {n}, {peers_per_itr}")
+    base, top = peers_per_itr + 1, 0
+    while base ** (top + 1) <= n - 1:  # integer log: no float rounding at exact powers
+        top += 1
+    hops: list[int] = []
+    for i in range(top + 1):
+        for j in range(1, peers_per_itr + 1):
+            hop = (j * base**i) % n
+            if hop and hop not in hops:
+                hops.append(hop)
+    return hops
+
+
+def sgp_out_peers(n: int, iteration: int, peers_per_itr: int = 1) -> IntArray:
+    """SGP's directed exponential graph at one iteration: links ``i -> (i + hop) mod n``.
+
+    Every peer uses ``peers_per_itr`` consecutive entries of :func:`sgp_hops`,
+    advancing by ``peers_per_itr`` each iteration (the authors' group-index rotation).
     """
     if n < 2:
         return np.empty((0, 2), dtype=np.int64)
-    hops = 1 << np.arange(int(np.floor(np.log2(n - 1))) + 1)
-    hop = int(hops[iteration % len(hops)])
-    src = np.arange(n)
-    return np.stack([src, (src + hop) % n], axis=1)
+    hops = sgp_hops(n, peers_per_itr)
+    picked = [hops[(iteration * peers_per_itr + g) % len(hops)] for g in range(peers_per_itr)]
+    src = np.repeat(np.arange(n), len(picked))
+    dst = (src + np.tile(picked, n)) % n
+    return np.stack([src, dst], axis=1)
 
 
 def consensus_error(x: FloatArray) -> float:

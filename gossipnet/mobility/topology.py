@@ -132,21 +132,18 @@ def _set(at: list[dict[int, int]], u: int, v: int, c: int) -> None:
     at[v][c] = u
 
 
-def _colour_of(at: list[dict[int, int]], u: int, v: int) -> int | None:
-    return next((c for c, w in at[u].items() if w == v), None)
-
-
 def _colour_edge(
     at: list[dict[int, int]], nbrs: list[list[int]], palette: int, u: int, v: int
 ) -> None:
     """One Misra-Gries step: colour (u, v) by a fan rotation after a cd-path flip."""
     fan = [v]
     in_fan = {v}
+    colour_to = {w: c for c, w in at[u].items()}
     grown = True
     while grown:  # maximal fan: (u, f) coloured with a colour free on the previous fan vertex
         grown = False
         for w in nbrs[u]:
-            c = _colour_of(at, u, w)
+            c = colour_to.get(w)
             if w not in in_fan and c is not None and c not in at[fan[-1]]:
                 fan.append(w)
                 in_fan.add(w)
@@ -167,10 +164,9 @@ def _colour_edge(
             _set(at, x, y, c if col == d else d)
     # the first fan vertex where d is free ends the prefix we rotate
     k = next(i for i, w in enumerate(fan) if d not in at[w])
+    colour_to = {w: c for c, w in at[u].items()}
     for i in range(k):
-        nxt = _colour_of(at, u, fan[i + 1])
-        if nxt is None:  # pragma: no cover - a fan edge is always coloured
-            raise AssertionError("Misra-Gries invariant broken")
+        nxt = colour_to[fan[i + 1]]  # fan edges past the first are coloured
         del at[u][nxt]
         del at[fan[i + 1]][nxt]
         _set(at, u, fan[i], nxt)
@@ -228,6 +224,24 @@ class Schedule:
         """Radio time the round uses: the end of the last phase (0 if none)."""
         return max((p.start_s + p.duration_s for p in self.phases), default=0.0)
 
+    def connectivity(self, delta: float = 0.0) -> float:
+        """Size-weighted sum over feasible components of lambda2 of the expected union.
+
+        lambda2 of the whole graph when the feasible graph is connected; unlike it,
+        not stuck at 0 when vehicles form separate clusters (module doc).  With
+        ``delta`` > 0 it is the regularised objective the scheduler maximises.
+        """
+        labels = components(self.n, self.feasible_edges)
+        lap = self.expected_laplacian()
+        if delta:
+            lap = lap + delta * laplacian(self.n, self.feasible_edges, self.feasible_weights)
+        total = 0.0
+        for c in range(labels.max() + 1 if self.n else 0):
+            idx = np.flatnonzero(labels == c)
+            if len(idx) > 1:
+                total += len(idx) / self.n * float(fiedler_value(lap[np.ix_(idx, idx)]))
+        return total
+
     def expected_laplacian(self) -> FloatArray:
         """``sum r_ij L_ij`` over the chosen links (the expected union's Laplacian)."""
         if not self.phases:
@@ -247,25 +261,98 @@ def feasible_graph(table: LinkTable, config: ScheduleConfig) -> tuple[IntArray, 
     return table.pairs[keep], best[keep]
 
 
-def _objective(
-    lap: FloatArray, blocks: list[IntArray], base: FloatArray, n: int, delta: float
-) -> FloatArray:
-    """Size-weighted sum of per-component regularised lambda2 for stacked ``lap`` (K, n, n)."""
-    total = np.zeros(lap.shape[0])
-    for idx in blocks:
-        sub = lap[:, idx[:, None], idx[None, :]] + delta * base[idx[:, None], idx[None, :]]
-        total += (len(idx) / n) * fiedler_value(sub)
-    return total
+class _Objective:
+    """The size-weighted, per-component regularised lambda2 (module doc), kept incrementally.
+
+    A candidate only changes the components its links touch, so only those are
+    re-solved, each in one batched ``eigvalsh`` over all candidates touching it.
+    """
+
+    def __init__(self, n: int, edges: IntArray, weights: FloatArray, delta: float) -> None:
+        labels = components(n, edges)
+        self.n = n
+        self.label = labels
+        self.blocks = [np.flatnonzero(labels == c) for c in range(labels.max() + 1)]
+        self.local = np.zeros(n, dtype=np.int64)
+        for idx in self.blocks:
+            self.local[idx] = np.arange(len(idx))
+        base = laplacian(n, edges, weights)
+        self.lap = [delta * base[np.ix_(idx, idx)] for idx in self.blocks]
+        self.value = np.array([self._lambda2(c, lap[None])[0] for c, lap in enumerate(self.lap)])
+
+    def _lambda2(self, comp: int, stack: FloatArray) -> FloatArray:
+        return (len(self.blocks[comp]) / self.n) * fiedler_value(stack)
+
+    def _delta_lap(self, comp: int, edges: IntArray, probs: FloatArray) -> FloatArray:
+        mine = self.label[edges[:, 0]] == comp
+        local = self.local[edges[mine]]
+        return laplacian(len(self.blocks[comp]), local, probs[mine])
+
+    def gains(self, cands: list[tuple[IntArray, FloatArray]]) -> FloatArray:
+        """Objective gain of adding each candidate ``(edges, probabilities)``."""
+        gain = np.zeros(len(cands))
+        touched: dict[int, list[int]] = {}
+        for k, (edges, _) in enumerate(cands):
+            for comp in np.unique(self.label[edges[:, 0]]).tolist():
+                touched.setdefault(comp, []).append(k)
+        for comp, ks in touched.items():
+            stack = np.stack([self.lap[comp] + self._delta_lap(comp, *cands[k]) for k in ks])
+            gain[ks] += self._lambda2(comp, stack) - self.value[comp]
+        return gain
+
+    def add(self, edges: IntArray, probs: FloatArray) -> None:
+        for comp in np.unique(self.label[edges[:, 0]]).tolist():
+            self.lap[comp] = self.lap[comp] + self._delta_lap(comp, edges, probs)
+            self.value[comp] = self._lambda2(comp, self.lap[comp][None])[0]
 
 
-def plan_schedule(table: LinkTable, config: ScheduleConfig) -> Schedule:
+#: Phase-length caps tried for each matching, as fractions of the budget: a matching
+#: may leave out its slowest links rather than hold every other link's phase open.
+_CAPS = (0.125, 0.25, 0.5, 1.0)
+
+
+def _candidates(
+    table: LinkTable, rows: IntArray, matchings: list[IntArray], step: int, config: ScheduleConfig
+) -> list[tuple[int, IntArray, FloatArray, float]]:
+    """(matching, its edges kept, their probabilities, phase seconds) if started at ``step``."""
+    start = step * table.dt_s
+    out = []
+    for m, e in enumerate(matchings):
+        dur = table.duration_s[rows[e], step]
+        prob = table.probability[rows[e], step]
+        ok = (prob >= config.min_probability) & (start + dur <= config.budget_s)
+        seen = 0
+        for cap in _CAPS:
+            sel = ok & (dur <= cap * config.budget_s)
+            if sel.sum() > seen:
+                seen = int(sel.sum())
+                out.append((m, np.flatnonzero(sel), prob[sel], float(dur[sel].max())))
+    return out
+
+
+def plan_schedule(
+    table: LinkTable,
+    config: ScheduleConfig,
+    *,
+    max_phases: int | None = None,
+    rng: np.random.Generator | None = None,
+) -> Schedule:
     """Choose this round's phases: greedy lambda2 gain per second within the budget.
+
+    Each step tries every matching that is left, started when the previous phase
+    ends, whole or without its slowest links (phase caps of 1/8 .. 1 of the budget),
+    and takes the one with the largest objective gain per second of phase.  Links a
+    phase left out stay available for later phases.
 
     Args:
         table: exchange durations and probabilities for every pair and start step,
             from predicted (shared-route) positions, or from frozen positions for
             a scheduler that ignores routes.
         config: budget and thresholds.
+        max_phases: stop after this many phases (default: when the budget or the
+            gains run out).
+        rng: pick each phase uniformly among the candidates instead of by gain: the
+            "random choice of the same size" baseline, under the same constraints.
 
     Returns:
         The chosen phases in time order; empty if no link is feasible.  The
@@ -278,37 +365,25 @@ def plan_schedule(table: LinkTable, config: ScheduleConfig) -> Schedule:
     phases: list[Phase] = []
     if not matchings:
         return Schedule(n, (), edges, weights, matchings)
-    base = laplacian(n, edges, weights)
-    labels = components(n, edges)
-    blocks = [np.flatnonzero(labels == c) for c in range(labels.max() + 1)]
-    blocks = [b for b in blocks if len(b) > 1]
-    row = table.pair_index()[edges[:, 0], edges[:, 1]]
-    lap = np.zeros((n, n))
-    current = _objective(lap[None], blocks, base, n, config.regularisation)[0]
-    left = list(range(len(matchings)))
+    objective = _Objective(n, edges, weights, config.regularisation)
+    rows = table.pair_index()[edges[:, 0], edges[:, 1]]
+    left = list(matchings)
     clock = 0.0
-    while left:
+    limit = len(edges) if max_phases is None else max_phases
+    while any(len(m) for m in left) and len(phases) < limit:
         step = min(int(np.ceil(clock / table.dt_s - 1e-9)), table.starts - 1)
-        start = step * table.dt_s
-        cands, laps = [], []
-        for m in left:
-            e = matchings[m]
-            dur = table.duration_s[row[e], step]
-            prob = table.probability[row[e], step]
-            ok = (prob >= config.min_probability) & (start + dur <= config.budget_s)
-            if ok.any():
-                cands.append((m, e[ok], prob[ok], float(dur[ok].max())))
-                laps.append(lap + laplacian(n, edges[e[ok]], prob[ok]))
+        cands = _candidates(table, rows, left, step, config)
         if not cands:
             break
-        value = _objective(np.stack(laps), blocks, base, n, config.regularisation)
-        gain = (value - current) / np.array([max(c[3], table.dt_s) for c in cands])
-        best = int(np.argmax(gain))
-        if not gain[best] > 1e-12:
+        gain = objective.gains([(edges[left[m][k]], p) for m, k, p, _ in cands])
+        rate = gain / np.array([max(c[3], table.dt_s) for c in cands])
+        best = int(np.argmax(rate)) if rng is None else int(rng.integers(len(cands)))
+        if rng is None and not rate[best] > 1e-12:
             break
-        m, e, prob, dur = cands[best]
-        phases.append(Phase(edges[e], prob, start, dur))
-        lap, current = laps[best], float(value[best])
-        clock = start + dur
-        left.remove(m)
+        m, keep, prob, dur = cands[best]
+        chosen = edges[left[m][keep]]
+        objective.add(chosen, prob)
+        phases.append(Phase(chosen, prob, step * table.dt_s, dur))
+        left[m] = np.delete(left[m], keep)
+        clock = step * table.dt_s + dur
     return Schedule(n, tuple(phases), edges, weights, matchings)

@@ -65,7 +65,7 @@ class TrainSpec:
     rank: int
     steps: int = 300
     batch: int = 64
-    hidden: int = 128
+    hidden: int = 64
     lr: float = 0.1
     seed: int = 0
     chunk_bytes: int = 1024

@@ -157,7 +157,7 @@ def test_a_peer_killed_with_sigkill_is_declared_dead_in_time(
         # silence is noticed after the failure timeout, not before, and not much later
         hb = NET["heartbeat_interval_s"]
         assert took >= NET["failure_timeout_s"] - hb
-        assert took <= NET["failure_timeout_s"] + hb + 0.5
+        assert took <= NET["failure_timeout_s"] + hb + 1.0
         assert solo.alive_peers() == [solo.peer_id]
     finally:
         if proc.is_alive():

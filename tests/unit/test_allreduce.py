@@ -393,6 +393,9 @@ def test_round_time_does_not_grow_with_loss(
     hits both alike.  The first rounds teach the engines their phase spans.
     """
     numel, warmup, rounds, timeout_s = 8192, 2, 10, 10.0
+    # real time on a busy machine: a loop starved for half a second must not look like
+    # a dead peer (a false death makes the views, hence the shard maps, disagree)
+    cfg = cfg.replace(heartbeat_interval_s=0.1, failure_timeout_s=5.0)
 
     async def main() -> None:
         async with (
@@ -416,7 +419,10 @@ def test_round_time_does_not_grow_with_loss(
                         continue
                     reports = await allreduce(drive, None, engines, inputs, timeout_s=timeout_s)
                     for rep in reports:
-                        assert rep.elapsed_s < timeout_s / 4, rep
+                        # never sat out the call's deadline (a bound loose enough for a
+                        # machine busy with other test runs: there a lossless round can
+                        # take seconds)
+                        assert rep.elapsed_s < 0.9 * timeout_s, rep
                         elapsed[name].append(rep.elapsed_s)
                         stale += rep.chunks_stale if name == "lossy" else 0
             assert stale > 0  # the loss did bite
@@ -479,6 +485,58 @@ def test_lost_end_markers_do_not_stall_a_cold_round(
             assert max(r.elapsed_s for r in reports) < timeout_s / 4, reports[0]
             for x in inputs:  # nothing but markers was lost: the result is exact
                 torch.testing.assert_close(x[0].double(), mean, rtol=1e-6, atol=1e-6)
+
+    run_async(main())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="allreduce.py _wait_phase: with no span history (a fresh engine) the allowance "
+    "is infinite and is not recomputed from the spans of the senders that finish in this "
+    "very phase, so a sender that lost a data packet and its 3 END copies is waited for "
+    "until the call's deadline; the reduce-scatter then uses up the whole deadline and "
+    "the owner's all-gather reaches nobody",
+)
+@pytest.mark.timeout(15)
+def test_lost_end_markers_and_data_do_not_stall_a_cold_round(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """As above, but one of p1's contributions to p0 is lost too, so p0 cannot
+    tell from the count that p1 is done.  p2 and p3 finished long ago: their
+    spans say how long a sender takes, even in the very first round."""
+    timeout_s = 4.0
+    lost_chunk = owners(NUMEL).index("p0")
+    lost = {"data": 0}
+
+    def drop(pkt: Packet) -> bool:
+        if pkt.src != "p1":
+            return False
+        if pkt.kind == Kind.RS_END:
+            return True
+        if pkt.kind == Kind.RS_DATA and pkt.fields.get("c") == lost_chunk:
+            lost["data"] += 1
+            return True
+        return False
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = engines_of(nodes)
+            lose_on_arrival(nodes[0], drop)
+            gen = torch.Generator().manual_seed(11)
+            inputs = [[torch.randn(NUMEL, generator=gen, dtype=torch.float64)] for _ in range(N)]
+            before = [x[0].clone() for x in inputs]
+            reports = await allreduce(drive, clock, engines, inputs, timeout_s=timeout_s)
+            assert lost["data"] == 1
+            assert max(r.elapsed_s for r in reports) < timeout_s / 4, reports[0]
+            # p0's shard reached everyone; the chunk that missed p1 is the mean of
+            # the three contributions that arrived, every other chunk that of all four
+            assert [r.chunks_stale for r in reports] == [0] * N
+            expected = torch.stack(before).mean(0)
+            s = chunk_slices(NUMEL, torch.float64)[lost_chunk]
+            expected[s] = (before[0][s] + before[2][s] + before[3][s]) / 3
+            for x in inputs:
+                torch.testing.assert_close(x[0], expected, rtol=1e-12, atol=1e-12)
 
     run_async(main())
 

@@ -1,0 +1,447 @@
+"""State transfer for late joiners and restarts: chunked, checksummed, resumable.
+
+A peer that joins late or comes back after a crash must not start from its
+own random initialisation: its first Moshpit rounds would pull its group far
+from everyone else.  Instead it downloads the current parameters and
+optimizer state from a live peer (hivemind's "late joiners copy state from an
+advertiser"), with no central checkpoint.
+
+Protocol (kinds ``STATE_REQ`` / ``STATE_DATA``; plain packets, the client
+retries):
+
+- ``man``: the client asks for a manifest; the server answers with its latest
+  *snapshot*: size, chunk size, a BLAKE2b-128 digest per chunk and a
+  BLAKE2b-256 of the whole.  A snapshot older than the client accepts (or
+  none) is answered ``wait`` and raises :attr:`StateSync.wanted`, so the
+  training thread publishes a fresh one at its next step (the trainer owns
+  the tensors; the loop thread never reads them mid-step).
+- ``get``: the client asks for a run of chunks of snapshot ``sid``; each
+  arrives in its own packet, is checked against its digest, and is written
+  in place.  Missing chunks are asked again; a source that makes no progress
+  for ``stall_timeout_s`` (dead, partitioned, serving corrupt data) is left
+  for the next one.
+- Resume: chunks whose digest is the same in the new source's manifest are
+  kept, so a transfer moves to another source without starting over (after a
+  Moshpit average, peers' snapshots are often identical: nothing is redone).
+
+``save_atomic`` writes an optional local checkpoint (temp file, fsync,
+``os.replace``): a crash leaves the old file or the new one, never half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import os
+import secrets
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import torch
+
+from .._node import Node
+from ..transport.wire import Kind, Packet
+
+__all__ = (
+    "Snapshot",
+    "StateSync",
+    "TransferReport",
+    "load_checkpoint",
+    "pack_state",
+    "save_atomic",
+    "unpack_state",
+)
+
+log = logging.getLogger(__name__)
+
+_DIGEST = 16
+_KEEP_SNAPSHOTS = 2  # the current one and the one before, for transfers in flight
+
+
+def _digest(data: memoryview | bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=_DIGEST).digest()
+
+
+def _whole(data: memoryview | bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """An immutable published state: bytes, chunking and checksums."""
+
+    sid: str
+    data: bytes
+    chunk_bytes: int
+    digests: bytes
+    whole: bytes
+    meta: dict[str, Any]
+    created: float
+
+    @property
+    def nchunks(self) -> int:
+        return len(self.digests) // _DIGEST
+
+    def chunk(self, c: int) -> memoryview:
+        return memoryview(self.data)[c * self.chunk_bytes : (c + 1) * self.chunk_bytes]
+
+    @classmethod
+    def of(cls, data: bytes, chunk_bytes: int, meta: dict[str, Any], now: float) -> Snapshot:
+        view = memoryview(data)
+        n = max(1, -(-len(data) // chunk_bytes))
+        digests = b"".join(_digest(view[c * chunk_bytes : (c + 1) * chunk_bytes]) for c in range(n))
+        whole = _whole(view)
+        return cls(whole[:8].hex(), data, chunk_bytes, digests, whole, dict(meta), now)
+
+
+@dataclass(slots=True)
+class TransferReport:
+    """What a download did: where from, how much was resumed or re-sent."""
+
+    ok: bool = False
+    source: str | None = None
+    sources_tried: tuple[str, ...] = ()
+    nbytes: int = 0
+    chunks: int = 0
+    chunks_resumed: int = 0
+    chunks_corrupt: int = 0
+    requests: int = 0
+    elapsed_s: float = 0.0
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Transfer:
+    """Client-side state of one download (survives a change of source)."""
+
+    xid: str
+    manifest: dict[str, Any] | None = None
+    waiting: bool = False
+    gone: bool = False
+    buf: bytearray = field(default_factory=bytearray)
+    have: list[bool] = field(default_factory=list)
+    digests: bytes = b""
+    corrupt: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class StateSync:
+    """Serves this peer's published state and downloads others'; loop thread only.
+
+    Args:
+        node: the started node.
+        window_chunks: chunks asked for at once (flow control without acks).
+        retry_s: re-ask for outstanding chunks after this long without progress.
+        stall_timeout_s: leave a source that made no progress this long.
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        *,
+        window_chunks: int = 64,
+        retry_s: float = 0.25,
+        stall_timeout_s: float = 2.0,
+    ) -> None:
+        if window_chunks < 1 or retry_s <= 0 or stall_timeout_s <= 0:
+            raise ValueError("window_chunks >= 1, retry_s > 0 and stall_timeout_s > 0 required")
+        self.node = node
+        self.window = window_chunks
+        self.retry_s = retry_s
+        self.stall_timeout_s = stall_timeout_s
+        self.snapshots: list[Snapshot] = []
+        #: a peer asked for state we do not have fresh: the trainer should publish
+        self.wanted = False
+        self.served_chunks = 0
+        self._xfers: dict[str, _Transfer] = {}
+        node.subscribe(Kind.STATE_REQ, self._on_req)
+        node.subscribe(Kind.STATE_DATA, self._on_data)
+
+    # ------------------------------------------------------------------ server
+    @property
+    def chunk_bytes(self) -> int:
+        cfg = self.node.config
+        transport = self.node.transport
+        return cfg.chunk_bytes or (transport.default_chunk_bytes if transport else 64 * 1024)
+
+    def publish(self, data: bytes, meta: dict[str, Any] | None = None) -> Snapshot:
+        """Make ``data`` (e.g. :func:`pack_state`) the state served to others."""
+        snap = Snapshot.of(bytes(data), self.chunk_bytes, meta or {}, self.node.clock.now())
+        self.snapshots = [*self.snapshots[-(_KEEP_SNAPSHOTS - 1) :], snap]
+        self.wanted = False
+        return snap
+
+    def _find(self, sid: object) -> Snapshot | None:
+        return next((s for s in self.snapshots if s.sid == sid), None)
+
+    def _on_req(self, pkt: Packet) -> None:
+        op, xid = pkt.fields.get("op"), pkt.fields.get("x")
+        if not isinstance(xid, str):
+            return
+        if op == "man":
+            max_age = pkt.fields.get("a", -1.0)
+            snap = self.snapshots[-1] if self.snapshots else None
+            fresh = snap is not None and (
+                not isinstance(max_age, int | float)
+                or max_age < 0
+                or self.node.clock.now() - snap.created <= max_age
+            )
+            if snap is None or not fresh:
+                self.wanted = True
+                self.node.send(pkt.src, Kind.STATE_DATA, {"op": "wait", "x": xid})
+                return
+            body = msgpack.packb({"d": snap.digests, "w": snap.whole, "m": snap.meta})
+            fields = {"op": "man", "x": xid, "sid": snap.sid, "sz": len(snap.data)}
+            fields["cb"] = snap.chunk_bytes
+            self.node.send(pkt.src, Kind.STATE_DATA, fields, body)
+        elif op == "get":
+            snap = self._find(pkt.fields.get("sid"))
+            c, n = pkt.fields.get("c"), pkt.fields.get("n")
+            if snap is None:
+                self.node.send(pkt.src, Kind.STATE_DATA, {"op": "gone", "x": xid})
+            elif type(c) is int and type(n) is int and c >= 0 and 0 < n <= 4 * self.window:
+                stop = min(c + n, snap.nchunks)
+                self.node.spawn(self._serve(pkt.src, xid, snap, c, stop), "state-serve")
+
+    async def _serve(self, dst: str, xid: str, snap: Snapshot, first: int, stop: int) -> None:
+        for c in range(first, stop):
+            chunk = snap.chunk(c)
+            fields = {"op": "chunk", "x": xid, "sid": snap.sid, "c": c, "dt": "u8", "n": len(chunk)}
+            self.node.send(dst, Kind.STATE_DATA, fields, chunk)
+            self.served_chunks += 1
+            if c % 16 == 15:
+                await asyncio.sleep(0)  # let heartbeats and other peers' packets through
+
+    # ------------------------------------------------------------------ client
+    def _on_data(self, pkt: Packet) -> None:
+        xfer = self._xfers.get(pkt.fields.get("x"))  # type: ignore[arg-type]
+        if xfer is None:
+            return
+        op = pkt.fields.get("op")
+        if op == "chunk":
+            self._on_chunk(xfer, pkt)
+            return
+        if op == "man":
+            try:
+                body = msgpack.unpackb(bytes(pkt.payload), max_bin_len=64 << 20)
+                xfer.manifest = {**pkt.fields, "d": body["d"], "w": body["w"], "m": body["m"]}
+            except Exception:
+                return
+        elif op == "wait":
+            xfer.waiting = True
+        elif op == "gone":
+            xfer.gone = True
+        xfer.wake.set()
+
+    def _on_chunk(self, xfer: _Transfer, pkt: Packet) -> None:
+        man, c = xfer.manifest, pkt.fields.get("c")
+        if man is None or pkt.fields.get("sid") != man["sid"] or type(c) is not int:
+            return
+        if not 0 <= c < len(xfer.have) or xfer.have[c]:
+            return
+        if _digest(pkt.payload) != xfer.digests[c * _DIGEST : (c + 1) * _DIGEST]:
+            xfer.corrupt += 1
+            return
+        start = c * man["cb"]
+        xfer.buf[start : start + len(pkt.payload)] = pkt.payload
+        xfer.have[c] = True
+        xfer.wake.set()
+
+    async def download(
+        self,
+        *,
+        sources: Sequence[str] | None = None,
+        timeout_s: float = 30.0,
+        max_age_s: float | None = 5.0,
+    ) -> tuple[bytes | None, TransferReport]:
+        """Fetch the state of a live peer; ``(None, report)`` if none could serve it.
+
+        Args:
+            sources: peers to try in order (default: every alive peer but us).
+            timeout_s: bound of the whole download.
+            max_age_s: accept a snapshot at most this old during the first half
+                of the timeout (None: any age), so a joiner gets current state.
+        """
+        node, clock = self.node, self.node.clock
+        t0 = clock.now()
+        deadline = t0 + timeout_s
+        xfer = _Transfer(secrets.token_hex(6))
+        self._xfers[xfer.xid] = xfer
+        rep = TransferReport()
+        tried: list[str] = []
+        try:
+            while clock.now() < deadline:
+                pool = list(sources) if sources is not None else node.alive_peers()
+                pool = [p for p in pool if p != node.peer_id and node.membership.is_alive(p)]  # type: ignore[union-attr]
+                fresh = [p for p in pool if p not in tried] or pool
+                if not fresh:
+                    await clock.sleep(min(self.retry_s, max(0.0, deadline - clock.now())))
+                    continue
+                src = fresh[0]
+                tried.append(src)
+                relax_at = t0 + timeout_s / 2 if max_age_s is not None else t0
+                if not await self._manifest(src, xfer, deadline, (max_age_s, relax_at), rep):
+                    continue
+                if await self._fetch(src, xfer, deadline, rep):
+                    data = bytes(xfer.buf)
+                    assert xfer.manifest is not None
+                    if _whole(data) == xfer.manifest["w"]:
+                        rep.ok, rep.source, rep.meta = True, src, dict(xfer.manifest["m"])
+                        return data, rep
+                    log.warning("peer %s: state from %s failed the whole check", node.peer_id, src)
+            return None, rep
+        finally:
+            del self._xfers[xfer.xid]
+            rep.sources_tried = tuple(tried)
+            rep.chunks_corrupt = xfer.corrupt
+            rep.elapsed_s = clock.now() - t0
+
+    async def _manifest(
+        self,
+        src: str,
+        xfer: _Transfer,
+        deadline: float,
+        age: tuple[float | None, float],
+        rep: TransferReport,
+    ) -> bool:
+        """Ask ``src`` for a manifest; adopt it, keeping chunks whose digest is unchanged.
+
+        ``age`` is (max snapshot age, time after which any age will do).  A source
+        that answers ``wait`` is preparing a fresh snapshot and gets a longer
+        allowance (4 x ``stall_timeout_s``) than a silent one.
+        """
+        clock = self.node.clock
+        start = clock.now()
+        stop = min(deadline, start + self.stall_timeout_s)
+        old, xfer.manifest, xfer.gone, xfer.waiting = xfer.manifest, None, False, False
+        while xfer.manifest is None:
+            now = clock.now()
+            if now >= stop or not self.node.membership.is_alive(src):  # type: ignore[union-attr]
+                xfer.manifest = old
+                return False
+            if xfer.waiting:
+                stop = min(deadline, start + 4 * self.stall_timeout_s)
+            max_age = age[0] if age[0] is not None and now < age[1] else -1.0
+            self.node.send(src, Kind.STATE_REQ, {"op": "man", "x": xfer.xid, "a": max_age})
+            rep.requests += 1
+            xfer.wake.clear()
+            await _wait_event(clock, xfer.wake, min(self.retry_s, stop - now))
+        man = xfer.manifest
+        n = len(man["d"]) // _DIGEST
+        if old is None or old["sz"] != man["sz"] or old["cb"] != man["cb"]:
+            xfer.buf, xfer.have = bytearray(man["sz"]), [False] * n
+        else:
+            new_d, old_d = man["d"], old["d"]
+            span = [slice(c * _DIGEST, (c + 1) * _DIGEST) for c in range(n)]
+            keep = [h and new_d[span[c]] == old_d[span[c]] for c, h in enumerate(xfer.have)]
+            rep.chunks_resumed += sum(keep)
+            xfer.have = keep
+        xfer.digests = man["d"]
+        rep.nbytes, rep.chunks = man["sz"], n
+        return True
+
+    async def _fetch(self, src: str, xfer: _Transfer, deadline: float, rep: TransferReport) -> bool:
+        """Pull the missing chunks of the adopted manifest from ``src``; True when complete."""
+        clock, node = self.node.clock, self.node
+        assert xfer.manifest is not None
+        sid = xfer.manifest["sid"]
+        asked: dict[int, float] = {}
+        progress = clock.now()
+        done = sum(xfer.have)
+        while not all(xfer.have):
+            now = clock.now()
+            if xfer.gone or now >= deadline or now - progress > self.stall_timeout_s:
+                return False
+            if not node.membership.is_alive(src):  # type: ignore[union-attr]
+                return False
+            for c in [c for c, t in asked.items() if xfer.have[c] or now - t > self.retry_s]:
+                del asked[c]
+            missing = [c for c, h in enumerate(xfer.have) if not h and c not in asked]
+            for first, count in _runs(missing[: max(0, self.window - len(asked))]):
+                fields = {"op": "get", "x": xfer.xid, "sid": sid, "c": first, "n": count}
+                node.send(src, Kind.STATE_REQ, fields)
+                rep.requests += 1
+                for c in range(first, first + count):
+                    asked[c] = now
+            xfer.wake.clear()
+            await _wait_event(clock, xfer.wake, min(self.retry_s, deadline - now))
+            now_done = sum(xfer.have)
+            if now_done > done:
+                done, progress = now_done, clock.now()
+        return True
+
+
+def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted chunk indices as (first, count) runs of consecutive indices."""
+    out: list[tuple[int, int]] = []
+    for c in chunks:
+        if out and out[-1][0] + out[-1][1] == c:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((c, 1))
+    return out
+
+
+async def _wait_event(clock: Any, event: asyncio.Event, timeout_s: float) -> None:
+    waiter = asyncio.ensure_future(event.wait())
+    sleeper = asyncio.ensure_future(clock.sleep(max(0.0, timeout_s)))
+    try:
+        await asyncio.wait({waiter, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        sleeper.cancel()
+
+
+# ---------------------------------------------------------------------- state <-> bytes
+def pack_state(state: dict[str, Any]) -> bytes:
+    """Serialise tensors, numbers and containers (``torch.save`` format)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def unpack_state(data: bytes) -> dict[str, Any]:
+    """Inverse of :func:`pack_state`; ``weights_only`` so bytes from the network
+    cannot run code (the MAC authenticates peers; this limits what a bug or an
+    insider could do)."""
+    out = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    if not isinstance(out, dict):
+        raise ValueError("state blob does not hold a dict")
+    return out
+
+
+def save_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file in the same directory,
+    fsync, ``os.replace``, fsync of the directory."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> bytes | None:
+    """The checkpoint's bytes, or None if there is none."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None

@@ -1,0 +1,203 @@
+"""``net.microbatches`` + ``opt.step()`` over the real lossy all-reduce (MemoryNetwork).
+
+Known per-micro-batch gradients and counts go in; with SGD at lr 1 the
+parameter change is exactly the averaged gradient, which must equal the
+weighted mean (ALGORITHMS.md 3.5.1).  Each peer drives its cut with its own
+FakeClock; the network runs on real time in the peers' loop threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import gossipnet
+from gossipnet._microbatch import gather_rows
+from gossipnet.averaging.dropcompute import AutoTau, AutoTauConfig
+from gossipnet.clock import FakeClock
+from gossipnet.noise import LogNormalDelay, NoisePlan
+from gossipnet.testing import MemoryNetwork
+
+FAST = {"heartbeat_interval_s": 0.05, "failure_timeout_s": 1.0, "collective_timeout_s": 5.0}
+K = 4
+
+
+def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any) -> list[Any]:
+    """``body(rank, peer)`` on ``n`` MemoryNetwork peers in threads; their results."""
+    net = MemoryNetwork()
+    done = threading.Barrier(n, timeout=30)
+    addrs = [f"mem://p{i}" for i in range(n)]
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            with gossipnet.join(
+                addrs,
+                listen=addrs[i],
+                network=net,
+                secret=b"t",
+                peer_id=f"p{i}",
+                **{**FAST, **config},
+            ) as peer:
+                results[i] = body(i, peer)
+                done.wait()
+        except BaseException as err:
+            errors.append(err)
+            done.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(40)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def grads_of(rank: int) -> torch.Tensor:
+    """Per-micro-batch gradients of peer ``rank``: [K, 6], multiples of 1/8 (exact in fp32)."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(-16, 16, (K, 6), generator=g).float() / 8
+
+
+def one_step(
+    peer: gossipnet.Peer, items: int, tau: float | None, normalise: str
+) -> tuple[torch.Tensor, gossipnet.CollectiveReport]:
+    """One step of w <- w - mean grad with loss_m = <w, c_m>, so grad_m = c_m."""
+    w = torch.nn.Parameter(torch.zeros(6))
+    opt = peer.optimizer(torch.optim.SGD([w], lr=1.0))
+    clock = FakeClock()
+    rank = int(peer.peer_id[1:])
+    for c in peer.microbatches(
+        grads_of(rank)[:items],
+        max_microbatches=K,
+        tau=tau,
+        normalise=normalise,
+        clock=clock,  # type: ignore[arg-type]
+    ):
+        (w * c).sum().backward()  # the micro-batch's mean loss, no 1/K
+        clock.advance(1.0)
+    rep = opt.step()
+    return -w.detach().clone(), rep
+
+
+# peer 0: all K; peer 1: cut by tau after 2; peer 2: an empty step (weight 0)
+SETUP = {0: (K, None), 1: (K, 1.5), 2: (0, None)}
+DONE = {0: K, 1: 2, 2: 0}
+
+
+@pytest.mark.parametrize("normalise", ["completed", "full"])
+def test_normalisation_is_exact(normalise: str) -> None:
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[torch.Tensor, dict[str, float]]:
+        items, tau = SETUP[rank]
+        g, rep = one_step(peer, items, tau, normalise)
+        assert peer.last_microbatch_report is not None
+        return g, rep.extra
+
+    out = run_peers(3, body)
+    total = sum(grads_of(r)[: DONE[r]].sum(0) for r in range(3))
+    denom = sum(DONE.values()) if normalise == "completed" else 3 * K
+    for g, extra in out:
+        torch.testing.assert_close(g, total / denom, rtol=1e-6, atol=1e-7)
+        assert np.isfinite(list(extra.values())).all() or extra["tau_s"] == float("inf")
+    extras = [e for _, e in out]
+    assert [e["mb_completed"] for e in extras] == [4.0, 2.0, 0.0]
+    assert extras[1]["tau_s"] == 1.5
+    assert extras[1]["mb_drop_rate"] == 0.5
+    assert extras[0]["tau_s"] == float("inf")
+    want_w = [4.0, 2.0, 0.0] if normalise == "completed" else [1.0, 1.0, 1.0]
+    assert [e["mb_weight"] for e in extras] == want_w
+
+
+def test_all_peers_with_no_microbatch_change_nothing() -> None:
+    out = run_peers(2, lambda r, p: one_step(p, 0, None, "completed")[0])
+    for g in out:
+        assert torch.equal(g, torch.zeros(6))  # all weights 0: own (zero) values kept, no NaN
+
+
+def test_explicit_weight_and_plain_steps_are_unchanged() -> None:
+    """step(weight=...) sends gradients as they are; a step without a loop has weight 1."""
+
+    def body(rank: int, peer: gossipnet.Peer) -> list[torch.Tensor]:
+        w = torch.nn.Parameter(torch.zeros(2))
+        opt = peer.optimizer(torch.optim.SGD([w], lr=1.0))
+        out = []
+        for weight in (None, 3.0 if rank else 1.0):
+            before = w.detach().clone()
+            w.grad = torch.full((2,), float(rank + 1))
+            opt.step(weight=weight)
+            opt.zero_grad()
+            out.append(before - w.detach())
+        return out
+
+    a, b = run_peers(2, body)
+    for res in (a, b):
+        torch.testing.assert_close(res[0], torch.full((2,), 1.5))  # (1 + 2) / 2
+        torch.testing.assert_close(res[1], torch.full((2,), (1 + 3 * 2) / 4))
+
+
+def test_gather_rows_recovers_every_peers_timings() -> None:
+    def rows_of(rank: int) -> np.ndarray:
+        r = np.arange(30, dtype=float).reshape(10, 3) * 0.001 + rank
+        r[rank, 1:] = np.nan  # a cut step
+        return r
+
+    def body(rank: int, peer: gossipnet.Peer) -> list[np.ndarray]:
+        return gather_rows(peer, rows_of(rank))
+
+    # 64-byte chunks: each peer's slot spans several chunks, each with its own marker
+    for got in run_peers(3, body, chunk_bytes=64):
+        assert len(got) == 3
+        by_rank = sorted(got, key=lambda r: r[0, 0])
+        for rank, rows in enumerate(by_rank):
+            np.testing.assert_allclose(rows, rows_of(rank), rtol=1e-6, equal_nan=True)
+
+
+def test_auto_tau_is_the_same_on_every_peer() -> None:
+    """Warm-up, timed window, then one tau from everyone's timings; per-step reports."""
+    plan = NoisePlan(base_s=1.0, lognormal=LogNormalDelay(delay_factor=4.0, sigma=1.5), seed=1)
+    cfg = AutoTauConfig(
+        warmup_steps=1, window_steps=6, reestimate_every_steps=3, min_microbatches=1
+    )
+
+    spent = [0.0] * 3
+    lockstep = threading.Barrier(3, timeout=30)
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[list[float | None], list[float]]:
+        clock = FakeClock()
+        auto = AutoTau(cfg)
+        w = torch.nn.Parameter(torch.zeros(3))
+        opt = peer.optimizer(torch.optim.SGD([w], lr=0.1))
+        taus, drops = [], []
+        for step in range(12):
+            times = plan.times(rank, step, K)
+            start = clock.now()
+            for i, c in enumerate(peer.microbatches(range(K), K, tau=auto, clock=clock)):
+                (w * c).sum().backward()
+                clock.advance(float(times[i]))
+            opt.step()
+            opt.zero_grad()
+            spent[rank] = clock.now() - start
+            lockstep.wait()  # a step lasts the slowest peer's compute + 1 s, on every peer
+            clock.advance(start + max(spent) + 1.0 - clock.now())
+            lockstep.wait()
+            rep = peer.last_microbatch_report
+            assert rep is not None
+            taus.append(rep.tau_s)
+            drops.append(rep.drop_rate)
+        return taus, drops
+
+    out = run_peers(3, body)
+    taus0 = out[0][0]
+    assert taus0[:7] == [None] * 7
+    assert all(t is not None for t in taus0[7:])
+    for taus, _ in out[1:]:
+        assert taus == pytest.approx(taus0)  # same gathered timings -> same tau
+    assert max(d for _, drops in out for d in drops) > 0
