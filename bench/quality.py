@@ -83,18 +83,27 @@ def main() -> None:
     for res in results:
         by_plan.setdefault(key(res.config.loss, res.config.burst), []).append(res)
     lossless = by_plan[key(0.0, None)]
-    rel = {
-        k: statistics.fmean(r.final_ppl / ref.final_ppl for r, ref in zip(rs, lossless, strict=True))
+
+    def mean(attr: str, scale: float = 1.0) -> dict[str, float]:
+        return {
+            k: scale * statistics.fmean(getattr(r, attr) for r in rs) for k, rs in by_plan.items()
+        }
+
+    rel = {  # paired by data seed: each lossy run against the lossless run of its seed
+        k: statistics.fmean(
+            r.final_ppl / ref.final_ppl for r, ref in zip(rs, lossless, strict=True)
+        )
         for k, rs in by_plan.items()
     }
+    lost, loss, ppl, secs = (
+        mean("lost_fraction", 100),
+        mean("final_eval_loss"),
+        mean("final_ppl"),
+        mean("wall_s"),
+    )
     print(f"\n{'plan':>8} {'lost %':>7} {'eval loss':>10} {'ppl':>8} {'rel_ppl':>8} {'s/run':>6}")
-    for k, rs in by_plan.items():
-        print(
-            f"{k:>8} {100 * statistics.fmean(r.lost_fraction for r in rs):7.2f} "
-            f"{statistics.fmean(r.final_eval_loss for r in rs):10.4f} "
-            f"{statistics.fmean(r.final_ppl for r in rs):8.3f} {rel[k]:8.4f} "
-            f"{statistics.fmean(r.wall_s for r in rs):6.1f}"
-        )
+    for k in by_plan:
+        print(f"{k:>8} {lost[k]:7.2f} {loss[k]:10.4f} {ppl[k]:8.3f} {rel[k]:8.4f} {secs[k]:6.1f}")
     rel10 = rel.get(key(0.1, None), float("nan"))
     print(f"\nrel_ppl at 10% loss: {rel10:.4f} (target <= {TARGET_REL_PPL_AT_10}); "
           f"total {wall:.1f} s", flush=True)  # fmt: skip
@@ -107,12 +116,9 @@ def main() -> None:
             "seeds": args.seeds,
             "strategy": base.strategy,
             "rel_ppl": {k: round(v, 5) for k, v in rel.items()},
-            "ppl": {k: round(statistics.fmean(r.final_ppl for r in rs), 4)
-                    for k, rs in by_plan.items()},  # fmt: skip
-            "eval_loss": {k: round(statistics.fmean(r.final_eval_loss for r in rs), 5)
-                          for k, rs in by_plan.items()},  # fmt: skip
-            "lost_pct": {k: round(100 * statistics.fmean(r.lost_fraction for r in rs), 3)
-                         for k, rs in by_plan.items()},  # fmt: skip
+            "ppl": {k: round(v, 4) for k, v in ppl.items()},
+            "eval_loss": {k: round(v, 5) for k, v in loss.items()},
+            "lost_pct": {k: round(v, 3) for k, v in lost.items()},
             "target_rel_ppl_at_0.1": TARGET_REL_PPL_AT_10,
             "wall_s": round(wall, 1),
         }

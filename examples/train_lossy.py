@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F  # noqa: N812
+from torch.nn import functional as F
 
 import gossipnet
 
@@ -63,9 +63,10 @@ def train(rank: int, addresses: list[str], args: argparse.Namespace) -> None:
             loss.backward()
             report = opt.step()  # averages gradients across peers, tolerating loss
             if rank == 0 and step % 50 == 0:
+                expected = report.packets_lost + report.packets_received
+                who = f"{len(report.contributors)}/{args.peers}"
                 print(f"step {step:4d}  loss {loss.item():.3f}  lost {report.packets_lost:3d}"
-                      f" of {report.packets_lost + report.packets_received} packets"
-                      f"  contributors {len(report.contributors)}/{args.peers}", flush=True)  # fmt: skip
+                      f"/{expected} packets  contributors {who}", flush=True)  # fmt: skip
         with torch.no_grad():
             x, y = batch(held_out, 4096, torch.Generator().manual_seed(123))
             print(f"peer {rank}: held-out loss {F.cross_entropy(model(x), y).item():.3f}")

@@ -32,6 +32,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .peer import join
+from .transport.faults import FaultPlan, GilbertElliott
+
 __all__ = (
     "VOCAB",
     "DemoConfig",
@@ -99,10 +102,8 @@ class DemoConfig:
         if self.eval_every < 1 or self.eval_windows < 1:
             raise ValueError("eval_every and eval_windows must be >= 1")
 
-    def fault_plan(self) -> Any:
+    def fault_plan(self) -> FaultPlan | None:
         """The :class:`gossipnet.FaultPlan` of this run (None when lossless)."""
-        from . import FaultPlan, GilbertElliott
-
         if self.loss == 0.0:
             return None
         if self.burst is not None:
@@ -275,11 +276,9 @@ def lr_at(cfg: DemoConfig, step: int) -> float:
 def _worker(rank: int, cfgs: list[DemoConfig], inbox: Any, out: Any) -> None:
     """One peer process: train every config in turn, reporting each step to ``out``.
 
-    Why one process for several runs: importing torch costs seconds per process,
-    a large share of a one-minute comparison on 2 cores.  Before each run the
-    worker asks for that run's addresses, so ports are picked just before use
-    (ports picked minutes ahead may meanwhile serve as some connection's
-    ephemeral source port).
+    Why one process for several runs: importing torch costs seconds per process.
+    Each run's addresses arrive just before it starts: ports picked minutes ahead
+    may meanwhile have become some connection's ephemeral source port.
     """
     torch.set_num_threads(1)  # N processes share the cores; more threads only contend
     try:
@@ -308,8 +307,6 @@ def _warm_up(net: Any, cfg: DemoConfig, tries: int = 5) -> None:
 
 def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
     """Run ``run`` on peer ``rank``: join, warm up, train, evaluate, leave."""
-    import gossipnet
-
     train, held = load_corpus(cfg.corpus_bytes)
     shard_len = len(train) // cfg.peers  # each peer trains on its own slice of the stream
     shard = train[rank * shard_len : (rank + 1) * shard_len]
@@ -325,7 +322,7 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
     }
     if cfg.chunk_bytes is not None:
         overrides["chunk_bytes"] = cfg.chunk_bytes
-    with gossipnet.join(
+    with join(
         peers=addrs,
         listen=addrs[rank],
         secret=b"gossipnet-demo",

@@ -262,7 +262,8 @@ class MicrobatchState:
                 self.auto = AutoTau()
             tau = self.auto
         if isinstance(tau, AutoTau) and tau.gather is None and tau.world_size == 1:
-            tau.gather = lambda rows: gather_rows(peer, rows)
+            cap = tau.config.history_steps
+            tau.gather = lambda rows: gather_rows(peer, rows, capacity=cap)
         if not isinstance(tau, TauPolicy):
             raise ValueError(f"tau must be None, seconds, 'auto' or a TauPolicy, got {tau!r}")
         return tau
@@ -282,56 +283,83 @@ def _synced(now: Callable[[], float]) -> Callable[[], float]:
 
 
 # --------------------------------------------------------------------------- timing gather
-def gather_rows(peer: Peer, rows: np.ndarray, timeout_s: float | None = None) -> list[np.ndarray]:
+def gather_rows(
+    peer: Peer, rows: np.ndarray, *, capacity: int | None = None, timeout_s: float | None = None
+) -> list[np.ndarray]:
     """Every alive peer's ``[S, M]`` timing rows (own included), over the lossy all-reduce.
 
     Why an all-reduce can gather: each peer writes its rows into its own slot
     of a zero buffer; the all-reduce's per-chunk weighted mean then holds
-    ``rows / c`` in that slot, where ``c`` counts the contributions that
-    reached the chunk's owner.  Every chunk starts with a marker that the slot's
-    peer sets to 1, so it arrives as ``1 / c`` and dividing by it recovers the
-    rows exactly; a marker of 0 means that chunk was lost, and its slot is
-    skipped.  A checksum of the participant list rejects slots of a peer whose
-    membership view differed.  All peers must call it in the same step.
+    ``rows / c`` there, ``c`` being the contributions that reached the chunk's
+    owner.  The first N elements of every chunk are markers, one per peer, each
+    set to 1 by its peer only, so marker j arrives as ``1 / c`` (or 0 if peer j's
+    packet was lost) and dividing a slot's piece by the marker of its own chunk
+    recovers it exactly.  Slots are packed, so the buffer is about N x S x M
+    floats whatever the chunk size.  A checksum of the participant list rejects
+    a slot of a peer whose membership view differed.  All peers must call it at
+    the same step, with the same ``capacity``.
+
+    Args:
+        rows: this peer's rows, seconds, NaN where a micro-batch did not run.
+        capacity: rows per slot (default ``S``); shorter histories are padded, so
+            a peer that joined late still lays out the same buffer.
+        timeout_s: bound of the round (default ``Config.collective_timeout_s``).
 
     Returns:
-        Rows of the peers whose slot arrived whole (at least our own), NaN where a
-        micro-batch did not run.  Network faults never raise.
+        Rows of the peers whose slot arrived whole, in the sorted order of peer ids
+        (the same on every peer, so seeded imputations agree), ours always among
+        them.  Network faults never raise.
     """
     parts = tuple(peer.alive_peers())
-    if len(parts) < 2:
-        return [rows]
+    n, me = len(parts), parts.index(peer.peer_id) if peer.peer_id in parts else -1
     elems = (peer.config.chunk_bytes or peer.node.transport.default_chunk_bytes) // 4  # type: ignore[union-attr]
+    if n < 2 or me < 0 or elems <= n + 1:
+        return [rows]
     s, m = rows.shape
-    header = np.array([zlib.crc32(",".join(parts).encode()) % (1 << 16), s, m], dtype=np.float64)
-    payload = np.concatenate([header, np.nan_to_num(rows, nan=-1.0).ravel()])
-    per = elems - 1
-    k = -(-len(payload) // per)
-    buf = torch.zeros(len(parts), k, elems, dtype=torch.float32)
-    me = parts.index(peer.peer_id)
-    buf[me, :, 0] = 1.0
-    padded = np.zeros(k * per)
-    padded[: len(payload)] = payload
-    buf[me, :, 1:] = torch.from_numpy(padded.reshape(k, per))
-    flat = buf.view(-1)
+    cap = max(s, capacity or s)
+    header = [zlib.crc32(",".join(parts).encode()) % (1 << 16), s, m]
+    mine = np.full((cap, m), -1.0)
+    mine[cap - s :] = np.nan_to_num(rows, nan=-1.0)
+    data_idx, mark_idx, length = _slots(n, 3 + cap * m, elems)
+    buf = torch.zeros(length, dtype=torch.float32)
+    buf[torch.arange(0, length, elems) + me] = 1.0
+    buf[torch.from_numpy(data_idx[me])] = torch.from_numpy(
+        np.concatenate([header, mine.ravel()])
+    ).float()
     t = peer.config.collective_timeout_s if timeout_s is None else timeout_s
     engine = peer._engine()
     peer._call(
-        engine.run([flat], weight=1.0, timeout_s=t, participants=parts, mode=MODE_TIMINGS), t + 30
+        engine.run([buf], weight=1.0, timeout_s=t, participants=parts, mode=MODE_TIMINGS), t + 30
     )
-    marker = buf[:, :, 0]
-    whole = (marker > 0).all(dim=1)
-    values = (buf[:, :, 1:] / marker.clamp_min(1e-30)[..., None]).reshape(len(parts), -1).double()
-    out = [rows]
-    for j in torch.nonzero(whole).flatten().tolist():
-        if j == me:
+    flat = buf.double().numpy()
+    marks = flat[mark_idx]
+    values = flat[data_idx] / np.maximum(marks, 1e-30)
+    out = []
+    for j in range(n):
+        if j == me:  # our own rows exactly (they also made the trip, in float32)
+            out.append(rows)
             continue
-        v = values[j].numpy()
-        if round(v[0]) != header[0] or round(v[1]) != s or round(v[2]) != m:
+        v = values[j]
+        crc, s_j, m_j = (round(x) for x in v[:3])
+        if not (marks[j] > 0).all() or (crc, m_j) != (header[0], m) or not 0 < s_j <= cap:
             continue
-        got = v[3 : 3 + s * m].reshape(s, m).copy()
+        got = v[3:].reshape(cap, m)[cap - s_j :].copy()
         got[got < 0] = np.nan
         out.append(got)
-    if len(out) < len(parts):
-        log.info("peer %s: timings of %d of %d peers arrived", peer.peer_id, len(out), len(parts))
+    if len(out) < n:
+        log.info("peer %s: timings of %d of %d peers arrived", peer.peer_id, len(out), n)
     return out
+
+
+def _slots(n: int, per_peer: int, elems: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Packed layout: (data index ``[n, per_peer]``, its marker's index, buffer length).
+
+    Chunk q holds markers at ``q * elems + j`` and data after them; a slot may span
+    chunks, each piece pointing at the marker of the chunk it lies in.
+    """
+    room = elems - n
+    d = np.arange(n * per_peer)
+    chunk = d // room
+    data_idx = chunk * elems + n + d % room
+    mark_idx = chunk * elems + d // per_peer
+    return data_idx.reshape(n, per_peer), mark_idx.reshape(n, per_peer), int(data_idx[-1]) + 1

@@ -233,7 +233,7 @@ class MoshpitAverager:
                 group = [p for p in plan.group_of(me) if p != me]
                 members = await self._lead(t, group, max(grid.side, len(group) + 1), mm_deadline)
             else:
-                members = await self._follow(t, leader, mm_deadline + cfg.reply_margin_s)
+                members = await self._follow(t, leader, mm_deadline + 2 * cfg.reply_margin_s)
         finally:
             # matchmaking of round t is over: later JOINs for it are refused at once
             self._cur = None

@@ -324,8 +324,11 @@ class StateSync:
             if now >= stop or not self.node.membership.is_alive(src):  # type: ignore[union-attr]
                 xfer.manifest = old
                 return False
-            if xfer.waiting:
+            if xfer.waiting:  # preparing a snapshot: ask again later, not at once
+                xfer.waiting = False
                 stop = min(deadline, start + 4 * self.stall_timeout_s)
+                await clock.sleep(min(self.retry_s, max(0.0, stop - now)))
+                continue
             max_age = age[0] if age[0] is not None and now < age[1] else -1.0
             self.node.send(src, Kind.STATE_REQ, {"op": "man", "x": xfer.xid, "a": max_age})
             rep.requests += 1

@@ -16,11 +16,13 @@ paper was not available), close to MATCHA (4.3):
    where the routes pay off.
 
 Disconnected feasible graphs are the rule on a city map (vehicles far apart), and
-there lambda2 of anything is 0.  The objective is therefore the size-weighted sum,
-over connected components c of the feasible graph, of
-``lambda2(L_S|c + delta * L_feasible|c)``: the small ``delta`` term makes a union
-that is still split inside a component score by how close it is to joining up,
-instead of a flat 0 that gives the greedy nothing to climb.
+there lambda2 of anything is 0.  The objective is therefore a sum over the connected
+components c of the feasible graph, weighted by size: lambda2 of the chosen union
+inside c, plus ``merge_weight`` times the fraction of c that the union has joined
+up (0 with no link, 1 once connected).  lambda2 is 0 until a component is joined,
+so without the second term the search has nothing to climb: it would not see that
+two links, one per phase, join a cluster of three.  Once joined, lambda2 (order
+0.1-1) outweighs the term (0.05 by default) and the choice is by connectivity.
 """
 
 from __future__ import annotations
@@ -179,20 +181,20 @@ class ScheduleConfig:
 
     budget_s: seconds of radio time one round may use (phases run back to back).
     min_probability: links predicted to succeed less often are not used at all.
-    regularisation: ``delta`` of the objective (module doc): a tie-breaker, << 1.
+    merge_weight: weight of "joined-up fraction" next to lambda2 (module doc).
     """
 
     budget_s: float = 20.0
     min_probability: float = 0.05
-    regularisation: float = 1e-3
+    merge_weight: float = 0.02
 
     def __post_init__(self) -> None:
         if not self.budget_s > 0:
             raise ValueError(f"budget_s must be > 0, got {self.budget_s!r}")
         if not 0.0 <= self.min_probability < 1.0:
             raise ValueError(f"min_probability must be in [0, 1), got {self.min_probability!r}")
-        if not 0.0 <= self.regularisation < 1.0:
-            raise ValueError(f"regularisation must be in [0, 1), got {self.regularisation!r}")
+        if not 0.0 <= self.merge_weight < 1.0:
+            raise ValueError(f"merge_weight must be in [0, 1), got {self.merge_weight!r}")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -224,17 +226,14 @@ class Schedule:
         """Radio time the round uses: the end of the last phase (0 if none)."""
         return max((p.start_s + p.duration_s for p in self.phases), default=0.0)
 
-    def connectivity(self, delta: float = 0.0) -> float:
+    def connectivity(self) -> float:
         """Size-weighted sum over feasible components of lambda2 of the expected union.
 
         lambda2 of the whole graph when the feasible graph is connected; unlike it,
-        not stuck at 0 when vehicles form separate clusters (module doc).  With
-        ``delta`` > 0 it is the regularised objective the scheduler maximises.
+        not stuck at 0 when vehicles form separate clusters (module doc).
         """
         labels = components(self.n, self.feasible_edges)
         lap = self.expected_laplacian()
-        if delta:
-            lap = lap + delta * laplacian(self.n, self.feasible_edges, self.feasible_weights)
         total = 0.0
         for c in range(labels.max() + 1 if self.n else 0):
             idx = np.flatnonzero(labels == c)
@@ -262,48 +261,103 @@ def feasible_graph(table: LinkTable, config: ScheduleConfig) -> tuple[IntArray, 
 
 
 class _Objective:
-    """The size-weighted, per-component regularised lambda2 (module doc), kept incrementally.
+    """The scheduler's objective (module doc), kept incrementally for one partial schedule.
 
-    A candidate only changes the components its links touch, so only those are
-    re-solved, each in one batched ``eigvalsh`` over all candidates touching it.
+    Per feasible component c of size n_c: ``(n_c / n) * (lambda2(L_S|c) + mu * merged_c)``
+    where ``merged_c = (n_c - clusters of S in c) / (n_c - 1)`` goes from 0 to 1 as the
+    chosen links join the component up.  lambda2 is 0 until they do, so it is solved
+    (one batched ``eigvalsh`` per component over the candidates that complete it) only
+    then: large clusters that one round cannot join cost no eigenvalue at all.
     """
 
-    def __init__(self, n: int, edges: IntArray, weights: FloatArray, delta: float) -> None:
+    def __init__(self, n: int, edges: IntArray, mu: float) -> None:
         labels = components(n, edges)
-        self.n = n
-        self.label = labels
+        self.n, self.mu, self.comp = n, mu, labels
         self.blocks = [np.flatnonzero(labels == c) for c in range(labels.max() + 1)]
         self.local = np.zeros(n, dtype=np.int64)
         for idx in self.blocks:
             self.local[idx] = np.arange(len(idx))
-        base = laplacian(n, edges, weights)
-        self.lap = [delta * base[np.ix_(idx, idx)] for idx in self.blocks]
-        self.value = np.array([self._lambda2(c, lap[None])[0] for c, lap in enumerate(self.lap)])
+        self.lap = [np.zeros((len(idx), len(idx))) for idx in self.blocks]
+        self.lam = np.zeros(len(self.blocks))
+        self.parts = np.array([len(idx) for idx in self.blocks], dtype=np.int64)
+        self.cluster = np.arange(n)  # S-cluster label of each vertex
 
-    def _lambda2(self, comp: int, stack: FloatArray) -> FloatArray:
-        return (len(self.blocks[comp]) / self.n) * fiedler_value(stack)
+    @property
+    def total(self) -> float:
+        size = np.array([len(b) for b in self.blocks], dtype=np.float64)
+        merged = (size - self.parts) / np.maximum(size - 1, 1)
+        return float(np.sum(size / self.n * (self.lam + self.mu * merged)))
+
+    def copy(self) -> _Objective:
+        """A copy that can be extended independently (arrays are replaced, not mutated)."""
+        twin = object.__new__(_Objective)
+        twin.n, twin.mu, twin.comp, twin.blocks, twin.local = (
+            self.n, self.mu, self.comp, self.blocks, self.local
+        )
+        twin.lap, twin.lam = list(self.lap), self.lam.copy()
+        twin.parts, twin.cluster = self.parts.copy(), self.cluster.copy()
+        return twin
 
     def _delta_lap(self, comp: int, edges: IntArray, probs: FloatArray) -> FloatArray:
-        mine = self.label[edges[:, 0]] == comp
-        local = self.local[edges[mine]]
-        return laplacian(len(self.blocks[comp]), local, probs[mine])
+        mine = self.comp[edges[:, 0]] == comp
+        return laplacian(len(self.blocks[comp]), self.local[edges[mine]], probs[mine])
 
     def gains(self, cands: list[tuple[IntArray, FloatArray]]) -> FloatArray:
         """Objective gain of adding each candidate ``(edges, probabilities)``."""
         gain = np.zeros(len(cands))
-        touched: dict[int, list[int]] = {}
+        solve: dict[int, list[int]] = {}
         for k, (edges, _) in enumerate(cands):
-            for comp in np.unique(self.label[edges[:, 0]]).tolist():
-                touched.setdefault(comp, []).append(k)
-        for comp, ks in touched.items():
+            for comp, joined in _joins(self.cluster, self.comp, edges).items():
+                size = len(self.blocks[comp])
+                gain[k] += size / self.n * self.mu * joined / max(size - 1, 1)
+                if self.parts[comp] - joined == 1:
+                    solve.setdefault(comp, []).append(k)
+            for comp in np.unique(self.comp[edges[:, 0]]).tolist():
+                if self.parts[comp] == 1:  # already joined: lambda2 grows with every link
+                    solve.setdefault(comp, []).append(k)
+        for comp, ks in solve.items():
             stack = np.stack([self.lap[comp] + self._delta_lap(comp, *cands[k]) for k in ks])
-            gain[ks] += self._lambda2(comp, stack) - self.value[comp]
+            size = len(self.blocks[comp])
+            gain[ks] += size / self.n * (fiedler_value(stack) - self.lam[comp])
         return gain
 
     def add(self, edges: IntArray, probs: FloatArray) -> None:
-        for comp in np.unique(self.label[edges[:, 0]]).tolist():
+        for comp, joined in _joins(self.cluster, self.comp, edges).items():
+            self.parts[comp] -= joined
+        self.cluster = _relabel(self.cluster, edges)
+        for comp in np.unique(self.comp[edges[:, 0]]).tolist():
             self.lap[comp] = self.lap[comp] + self._delta_lap(comp, edges, probs)
-            self.value[comp] = self._lambda2(comp, self.lap[comp][None])[0]
+            if self.parts[comp] == 1:
+                self.lam[comp] = float(fiedler_value(self.lap[comp]))
+
+
+def _joins(cluster: IntArray, comp: IntArray, edges: IntArray) -> dict[int, int]:
+    """Per feasible component, how many clusters of ``cluster`` the links ``edges`` join."""
+    parent: dict[int, int] = {}
+
+    def find(x: int) -> int:
+        while parent.get(x, x) != x:
+            x = parent[x]
+        return x
+
+    out: dict[int, int] = {}
+    for (a, b), c in zip(cluster[edges].tolist(), comp[edges[:, 0]].tolist(), strict=True):
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+            out[c] = out.get(c, 0) + 1
+    return out
+
+
+def _relabel(cluster: IntArray, edges: IntArray) -> IntArray:
+    """Cluster labels after adding ``edges`` (each cluster labelled by its smallest member)."""
+    n = len(cluster)
+    extra = np.stack([cluster[edges[:, 0]], cluster[edges[:, 1]]], axis=1)
+    own = np.stack([np.arange(n), cluster], axis=1)
+    labels = components(n, np.concatenate([own, extra]))
+    first = np.full(labels.max() + 1, n)
+    np.minimum.at(first, labels, np.arange(n))
+    return first[labels]
 
 
 #: Phase-length caps tried for each matching, as fractions of the budget: a matching
@@ -337,12 +391,15 @@ def plan_schedule(
     max_phases: int | None = None,
     rng: np.random.Generator | None = None,
 ) -> Schedule:
-    """Choose this round's phases: greedy lambda2 gain per second within the budget.
+    """Choose this round's phases: the largest expected connectivity within the budget.
 
-    Each step tries every matching that is left, started when the previous phase
-    ends, whole or without its slowest links (phase caps of 1/8 .. 1 of the budget),
-    and takes the one with the largest objective gain per second of phase.  Links a
-    phase left out stay available for later phases.
+    Phases are added one at a time.  Each step tries every matching that is left,
+    started when the previous phase ends, whole or without its slowest links (phase
+    caps of 1/8 .. 1 of the budget); links a phase left out stay available.  A small
+    beam keeps the partial schedules with the best objective and the best objective
+    per second (``_BEAM`` of each), so a long first phase cannot crowd out two short
+    ones that would have joined a cluster; the best schedule seen wins, ties going
+    to the one that ends sooner.
 
     Args:
         table: exchange durations and probabilities for every pair and start step,
@@ -362,28 +419,105 @@ def plan_schedule(
     n = table.n
     edges, weights = feasible_graph(table, config)
     matchings = tuple(edge_colouring(n, edges))
-    phases: list[Phase] = []
-    if not matchings:
-        return Schedule(n, (), edges, weights, matchings)
-    objective = _Objective(n, edges, weights, config.regularisation)
-    rows = table.pair_index()[edges[:, 0], edges[:, 1]]
-    left = list(matchings)
-    clock = 0.0
     limit = len(edges) if max_phases is None else max_phases
-    while any(len(m) for m in left) and len(phases) < limit:
-        step = min(int(np.ceil(clock / table.dt_s - 1e-9)), table.starts - 1)
-        cands = _candidates(table, rows, left, step, config)
+    if not matchings or limit < 1:
+        return Schedule(n, (), edges, weights, matchings)
+    rows = table.pair_index()[edges[:, 0], edges[:, 1]]
+    root = _State(_Objective(n, edges, config.merge_weight), [], list(matchings), 0.0)
+    if rng is not None:
+        best = _random_walk(table, config, edges, rows, root, limit, rng)
+    else:
+        best = _beam(table, config, edges, rows, root, limit)
+    return Schedule(n, tuple(best.phases), edges, weights, matchings)
+
+
+#: Partial schedules kept per step, by objective and by objective per second: a
+#: plain greedy is myopic (a long first phase can eat the budget that two short
+#: ones would have used to join a cluster); a small beam is not, and stays cheap.
+_BEAM = 4
+
+Candidate = tuple[int, IntArray, FloatArray, float]
+
+
+@dataclass(slots=True)
+class _State:
+    """A partial schedule: objective so far, phases, links left per matching, clock."""
+
+    objective: _Objective
+    phases: list[Phase]
+    left: list[IntArray]
+    clock: float
+
+    def step(self, table: LinkTable) -> int:
+        return min(int(np.ceil(self.clock / table.dt_s - 1e-9)), table.starts - 1)
+
+    def extend(self, cand: Candidate, edges: IntArray, start_s: float) -> _State:
+        m, keep, prob, dur = cand
+        chosen = edges[self.left[m][keep]]
+        objective = self.objective.copy()
+        objective.add(chosen, prob)
+        left = list(self.left)
+        left[m] = np.delete(left[m], keep)
+        return _State(objective, [*self.phases, Phase(chosen, prob, start_s, dur)], left, start_s + dur)
+
+
+def _better(a: _State, b: _State) -> bool:
+    """Larger objective wins; on a tie, the schedule that ends sooner."""
+    va, vb = a.objective.total, b.objective.total
+    return va > vb + 1e-12 or (va >= vb - 1e-12 and a.clock < b.clock)
+
+
+def _beam(
+    table: LinkTable, config: ScheduleConfig, edges: IntArray, rows: IntArray, root: _State, limit: int
+) -> _State:
+    """Beam search over phase sequences; the best schedule seen (any length) wins."""
+    states, best = [root], root
+    while states:
+        children: list[tuple[float, float, _State, Candidate]] = []
+        for st in states:
+            if len(st.phases) >= limit:
+                continue
+            start = st.step(table) * table.dt_s
+            cands = _candidates(table, rows, st.left, st.step(table), config)
+            if not cands:
+                continue
+            gain = st.objective.gains([(edges[st.left[m][k]], p) for m, k, p, _ in cands])
+            secs = np.array([max(c[3], table.dt_s) for c in cands])
+            picks = set(np.argsort(-gain, kind="stable")[:_BEAM].tolist())
+            picks |= set(np.argsort(-gain / secs, kind="stable")[:_BEAM].tolist())
+            children += [
+                (st.objective.total + gain[k], start + cands[k][3], st, cands[k])
+                for k in sorted(picks)
+                if gain[k] > 1e-12
+            ]
+        if not children:
+            break
+        by_value = sorted(range(len(children)), key=lambda i: (-children[i][0], children[i][1]))
+        by_rate = sorted(range(len(children)), key=lambda i: -children[i][0] / children[i][1])
+        states = [
+            children[i][2].extend(children[i][3], edges, children[i][2].step(table) * table.dt_s)
+            for i in dict.fromkeys(by_value[:_BEAM] + by_rate[:_BEAM])
+        ]
+        for st in states:
+            if _better(st, best):
+                best = st
+    return best
+
+
+def _random_walk(
+    table: LinkTable,
+    config: ScheduleConfig,
+    edges: IntArray,
+    rows: IntArray,
+    root: _State,
+    limit: int,
+    rng: np.random.Generator,
+) -> _State:
+    """Phases picked uniformly among the feasible candidates until budget or ``limit``."""
+    st = root
+    while len(st.phases) < limit:
+        cands = _candidates(table, rows, st.left, st.step(table), config)
         if not cands:
             break
-        gain = objective.gains([(edges[left[m][k]], p) for m, k, p, _ in cands])
-        rate = gain / np.array([max(c[3], table.dt_s) for c in cands])
-        best = int(np.argmax(rate)) if rng is None else int(rng.integers(len(cands)))
-        if rng is None and not rate[best] > 1e-12:
-            break
-        m, keep, prob, dur = cands[best]
-        chosen = edges[left[m][keep]]
-        objective.add(chosen, prob)
-        phases.append(Phase(chosen, prob, step * table.dt_s, dur))
-        left[m] = np.delete(left[m], keep)
-        clock = step * table.dt_s + dur
-    return Schedule(n, tuple(phases), edges, weights, matchings)
+        st = st.extend(cands[int(rng.integers(len(cands)))], edges, st.step(table) * table.dt_s)
+    return st

@@ -107,10 +107,11 @@ def test_join_leave_50_times_leaks_no_threads_or_fds(
         fds.append(open_fds())
     warm = 5  # lazily created things (loggers, the first zmq context) settle first
     assert threads[warm:] == [threads[warm]] * (50 - warm), threads
-    early = statistics.median(fds[warm : warm + 10])
-    late = statistics.median(fds[-10:])
-    assert late - early <= 2, fds
-    assert max(fds[warm:]) - min(fds[warm:]) <= 4, fds
+    # a trend, not a level: resources released after a grace period are in flight in
+    # equal numbers in both windows, while a leak of one fd per guest adds 20
+    middle = statistics.median(fds[20:30])
+    late = statistics.median(fds[40:50])
+    assert late - middle <= 2, fds
 
 
 def test_join_leave_alone_50_times_leaks_nothing(no_torchrun_env: None) -> None:
