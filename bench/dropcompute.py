@@ -138,46 +138,90 @@ def student() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(DIM, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
 
 
-def train(
-    net: gossipnet.Peer, rank: int, mode: str, plan: NoisePlan, cfg: Settings, run: Run
-) -> None:
-    """One peer's run; rank 0 also records walls and eval losses into ``run``."""
-    f = teacher()
-    model = student()
-    base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
-    opt = net.optimizer(base)
-    tau = None if mode == "sync" else AutoTau(cfg.auto)
-    normalise = "full" if mode == "dropcompute-full" else "completed"
-    gen = torch.Generator().manual_seed(1000 + rank)
-    x_eval = torch.randn(2048, DIM, generator=torch.Generator().manual_seed(7))
-    y_eval = f(x_eval)
-    assert run.done is not None
-    assert run.compute is not None
-    assert run.taus is not None
-    t0 = time.perf_counter()
-    for step in range(cfg.steps):
-        xs = torch.randn(K, MB, DIM, generator=gen)
-        ys = f(xs) + 0.1 * torch.randn(K, MB, 1, generator=gen)
-        times = plan.times(rank, step, K)
-        batches = net.microbatches(zip(xs, ys, strict=True), K, tau=tau, normalise=normalise)
+class ModeClock:
+    """Real time that runs only during one mode's steps.
+
+    Why: modes are interleaved, and AutoTau estimates the time outside compute
+    from its step-to-step wall time; other modes' steps must not count in it.
+    """
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+        self.since: float | None = None
+
+    def now(self) -> float:
+        running = time.perf_counter() - self.since if self.since is not None else 0.0
+        return self.spent + running
+
+    def start(self) -> None:
+        self.since = time.perf_counter()
+
+    def stop(self) -> float:
+        """Pause; return the seconds of the step that just ended."""
+        assert self.since is not None
+        step = time.perf_counter() - self.since
+        self.spent, self.since = self.spent + step, None
+        return step
+
+
+class Trainer:
+    """One peer's model, optimizer and tau policy for one (scenario, mode)."""
+
+    def __init__(self, net: gossipnet.Peer, rank: int, mode: str, plan: NoisePlan, cfg: Settings):
+        self.net, self.rank, self.plan, self.cfg = net, rank, plan, cfg
+        self.f = teacher()
+        self.model = student()
+        self.base = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9)
+        self.opt = net.optimizer(self.base)
+        self.tau = None if mode == "sync" else AutoTau(cfg.auto)
+        self.normalise = "full" if mode == "dropcompute-full" else "completed"
+        self.gen = torch.Generator().manual_seed(1000 + rank)  # same data in every mode
+        self.clock = ModeClock()
+
+    def step(self, step: int, run: Run) -> None:
+        """One training step; rank 0 times it (from its start to the optimizer's end)."""
+        xs = torch.randn(K, MB, DIM, generator=self.gen)
+        ys = self.f(xs) + 0.1 * torch.randn(K, MB, 1, generator=self.gen)
+        times = self.plan.times(self.rank, step, K)
+        self.clock.start()
+        pairs = zip(xs, ys, strict=True)
+        batches = self.net.microbatches(
+            pairs,
+            K,
+            tau=self.tau,
+            normalise=self.normalise,
+            clock=self.clock,  # type: ignore[arg-type]
+        )
         for i, (x, y) in enumerate(batches):
-            torch.nn.functional.mse_loss(model(x), y).backward()  # mean loss, no 1/K
+            torch.nn.functional.mse_loss(self.model(x), y).backward()  # mean loss, no 1/K
             time.sleep(float(times[i]))  # the plan's compute time of this micro-batch
-        opt.step()
-        opt.zero_grad()
-        base.param_groups[0]["lr"] = cfg.lr * 0.5 * (1 + math.cos(math.pi * (step + 1) / cfg.steps))
-        rep = net.last_microbatch_report
+        self.opt.step()
+        self.opt.zero_grad()
+        spent = self.clock.stop()
+        cos = 0.5 * (1 + math.cos(math.pi * (step + 1) / self.cfg.steps))
+        self.base.param_groups[0]["lr"] = self.cfg.lr * cos
+        rep = self.net.last_microbatch_report
         assert rep is not None
-        run.done[rank, step], run.compute[rank, step] = rep.completed, rep.compute_s
-        run.taus[rank, step] = math.nan if rep.tau_s is None else rep.tau_s
-        if rank == 0:
-            run.walls.append(time.perf_counter() - t0)
+        assert run.done is not None
+        assert run.compute is not None
+        assert run.taus is not None
+        run.done[self.rank, step], run.compute[self.rank, step] = rep.completed, rep.compute_s
+        run.taus[self.rank, step] = math.nan if rep.tau_s is None else rep.tau_s
+        if self.rank == 0:
+            run.walls.append((run.walls[-1] if run.walls else 0.0) + spent)
             with torch.no_grad():
-                run.losses.append(float(torch.nn.functional.mse_loss(model(x_eval), y_eval)))
+                x_eval = torch.randn(2048, DIM, generator=torch.Generator().manual_seed(7))
+                loss = torch.nn.functional.mse_loss(self.model(x_eval), self.f(x_eval))
+            run.losses.append(float(loss))
 
 
 def run_real(n: int, plans: dict[str, NoisePlan], cfg: Settings) -> dict[str, dict[str, Run]]:
-    """Join ``n`` peers once; train every (scenario, mode) in turn on them."""
+    """Join ``n`` peers once and train every (scenario, mode) on them, interleaved.
+
+    Why interleaved (step s of every mode, then step s + 1 ...): the machine's
+    background load then falls on all modes alike, and each mode's clock counts
+    only its own steps.
+    """
     addrs = [f"tcp://127.0.0.1:{p}" for p in free_ports(n)]
     jobs = [(s, m) for s in plans for m in MODES]
     runs = {s: {m: Run(m) for m in MODES} for s in plans}
@@ -185,15 +229,17 @@ def run_real(n: int, plans: dict[str, NoisePlan], cfg: Settings) -> dict[str, di
         runs[s][m].done = np.zeros((n, cfg.steps))
         runs[s][m].compute = np.zeros((n, cfg.steps))
         runs[s][m].taus = np.full((n, cfg.steps), np.nan)
-    gate = threading.Barrier(n, timeout=120)
     errors: list[BaseException] = []
+    gate = threading.Barrier(n, timeout=120)
 
     def peer(rank: int) -> None:
         try:
             with gossipnet.join(addrs, listen=addrs[rank], peer_id=f"b{rank}", **NET) as net:
-                for s, m in jobs:
-                    gate.wait()
-                    train(net, rank, m, plans[s], cfg, runs[s][m])
+                trainers = {(s, m): Trainer(net, rank, m, plans[s], cfg) for s, m in jobs}
+                gate.wait()
+                for step in range(cfg.steps):
+                    for s, m in jobs:
+                        trainers[s, m].step(step, runs[s][m])
                 gate.wait()
         except BaseException as err:
             errors.append(err)

@@ -32,18 +32,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .peer import join
+from .peer import Peer, join
+from .rounds import CollectiveReport
 from .transport.faults import FaultPlan, GilbertElliott
 
-__all__ = (
-    "VOCAB",
-    "DemoConfig",
-    "DemoResult",
-    "EvalRecord",
-    "StepRecord",
-    "run_demo",
-    "run_demos",
-)
+__all__ = ("VOCAB", "DemoConfig", "DemoResult", "EvalRecord", "StepRecord", "run_demo", "run_demos")
 
 #: Fixed vocabulary: 0 = unknown byte, then newline, tab and printable ASCII.  Fixed
 #: (not derived from the text) so that every peer and every run agree on token ids.
@@ -212,6 +205,14 @@ def eval_windows(stream: torch.Tensor, n: int, context: int) -> torch.Tensor:
     return torch.stack([stream[s : s + context + 1] for s in starts.tolist()])
 
 
+def sample_windows(
+    stream: torch.Tensor, n: int, context: int, gen: torch.Generator
+) -> torch.Tensor:
+    """``n`` random windows of ``context + 1`` tokens (inputs and next-token targets)."""
+    starts = torch.randint(0, len(stream) - context - 1, (n,), generator=gen).tolist()
+    return torch.stack([stream[s : s + context + 1] for s in starts])
+
+
 # ---------------------------------------------------------------------- model
 class _Block(nn.Module):
     def __init__(self, d: int, heads: int) -> None:
@@ -290,7 +291,7 @@ def _worker(rank: int, cfgs: list[DemoConfig], inbox: Any, out: Any) -> None:
         raise
 
 
-def _warm_up(net: Any, cfg: DemoConfig, tries: int = 5) -> None:
+def _warm_up(net: Peer, cfg: DemoConfig, tries: int = 5) -> None:
     """Tiny all-reduces until one completes: a start barrier that also brings every
     outbound connection up before the first real step.
 
@@ -305,6 +306,24 @@ def _warm_up(net: Any, cfg: DemoConfig, tries: int = 5) -> None:
             return
 
 
+def _exchange(net: Peer, cfg: DemoConfig, model: CharLM, base: torch.optim.Optimizer) -> Any:
+    """``cfg.strategy``'s per-step exchange as one callable ``step -> CollectiveReport``."""
+    if cfg.strategy == "allreduce":
+        opt = net.optimizer(base, strategy="allreduce")
+        return lambda step: opt.step()
+    params = list(model.parameters())
+
+    def grads_then_step(step: int) -> CollectiveReport:
+        rep = net.all_reduce([p.grad for p in params if p.grad is not None])
+        base.step()
+        if cfg.resync_every and (step + 1) % cfg.resync_every == 0:
+            with torch.no_grad():  # pull replicas together: their stale chunks differ
+                net.all_reduce([p.data for p in params])
+        return rep
+
+    return grads_then_step
+
+
 def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
     """Run ``run`` on peer ``rank``: join, warm up, train, evaluate, leave."""
     train, held = load_corpus(cfg.corpus_bytes)
@@ -315,11 +334,7 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
     torch.manual_seed(cfg.model_seed)  # the same initial weights on every peer
     model = CharLM(cfg)
     base = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    overrides: dict[str, Any] = {
-        "peer_id": f"peer{rank}",
-        "run": f"gossipnet-demo-{run}",
-        "resync_every_steps": cfg.resync_every,
-    }
+    overrides: dict[str, Any] = {"resync_every_steps": cfg.resync_every}
     if cfg.chunk_bytes is not None:
         overrides["chunk_bytes"] = cfg.chunk_bytes
     with join(
@@ -327,19 +342,12 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
         listen=addrs[rank],
         secret=b"gossipnet-demo",
         faults=cfg.fault_plan(),
+        peer_id=f"peer{rank}",
+        run=f"gossipnet-demo-{run}",
         collective_timeout_s=cfg.timeout_s,
         **overrides,
     ) as net:
-        opt: Any = None
-        if cfg.strategy == "allreduce":
-            make = getattr(net, "optimizer", None)
-            if make is None:  # Peer.optimizer not wired yet: use the module directly
-                from .optim import GossipOptimizer
-
-                opt = GossipOptimizer(net, base)
-            else:
-                opt = make(base, strategy="allreduce")
-        params = list(model.parameters())
+        exchange = _exchange(net, cfg, model, base)
         _warm_up(net, cfg)
         out.put(("ready", run, rank, time.monotonic()))
         for step in range(cfg.steps):
@@ -347,18 +355,12 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
             for group in base.param_groups:
                 group["lr"] = lr_at(cfg, step)
             starts = torch.randint(0, len(shard) - cfg.context - 1, (cfg.batch,), generator=gen)
-            windows = torch.stack([shard[s : s + cfg.context + 1] for s in starts.tolist()])
-            loss = model.loss(windows)
+            loss = model.loss(
+                torch.stack([shard[s : s + cfg.context + 1] for s in starts.tolist()])
+            )
             base.zero_grad(set_to_none=False)
             loss.backward()
-            if opt is not None:
-                rep = opt.step()
-            else:
-                rep = net.all_reduce([p.grad for p in params])  # type: ignore[misc]
-                base.step()
-                if cfg.resync_every and (step + 1) % cfg.resync_every == 0:
-                    with torch.no_grad():
-                        net.all_reduce([p.data for p in params])
+            rep = exchange(step)
             out.put(("step", run, StepRecord(
                 rank, step + 1, float(loss.item()), rep.packets_sent, rep.packets_received,
                 rep.packets_lost, len(rep.contributors), rep.chunks_stale, rep.elapsed_s,
@@ -420,48 +422,21 @@ def run_demos(
     ctx = mp.get_context("spawn")  # fork would copy torch's thread pools and our sockets
     out = ctx.Queue()
     inboxes = [ctx.Queue() for _ in range(n)]
-    limit = timeout_s if timeout_s is not None else 120.0 + 2.0 * sum(c.steps for c in cfgs)
-    results = [DemoResult(config=c) for c in cfgs]
-    t0 = time.monotonic()
-    starts = [t0] * len(cfgs)
     procs = [
         ctx.Process(target=_worker, args=(r, list(cfgs), inboxes[r], out), daemon=True)
         for r in range(n)
     ]
+    results = [DemoResult(config=c) for c in cfgs]
+    limit = timeout_s if timeout_s is not None else 120.0 + 2.0 * sum(c.steps for c in cfgs)
+    ok = False
     for p in procs:
         p.start()
-    count: dict[tuple[str, int], int] = {}
     try:
-        while count.get(("done", len(cfgs) - 1), 0) < n:
-            try:
-                kind, run, *payload = out.get(timeout=0.5)
-            except queue.Empty:
-                _check_alive(procs, out)
-                if time.monotonic() - t0 > limit:
-                    raise RuntimeError(f"demo still running after {limit:.0f} s") from None
-                continue
-            if kind == "error":
-                raise RuntimeError(f"demo peer {payload[0]} failed:\n{payload[1]}")
-            res = results[run]
-            count[kind, run] = count.get((kind, run), 0) + 1
-            if kind == "step":
-                res.steps.append(payload[0])
-                if on_step is not None:
-                    on_step(run, payload[0])
-            elif kind == "eval":
-                res.evals.append(payload[0])
-            elif kind == "want" and count[kind, run] == n:  # everyone is waiting: go
-                starts[run] = t0 if run == 0 else time.monotonic()  # run 0: spawn too
-                addrs = free_tcp_addresses(n)
-                for box in inboxes:
-                    box.put(addrs)
-            elif kind == "ready":
-                res.startup_s = max(res.startup_s, payload[1] - starts[run])
-            elif kind == "done" and count[kind, run] == n:
-                res.wall_s = payload[1] - starts[run]
+        _collect(results, procs, out, inboxes, on_step, time.monotonic() + limit)
+        ok = True
     finally:
         for p in procs:
-            p.join(timeout=5.0 if count.get(("done", len(cfgs) - 1), 0) == n else 0.0)
+            p.join(timeout=5.0 if ok else 0.0)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
@@ -469,11 +444,45 @@ def run_demos(
     return results
 
 
-def _check_alive(procs: list[Any], out: Any) -> None:
-    """Raise if a worker died without saying why (its last words may be in flight)."""
-    dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode != 0]
-    if dead:
-        time.sleep(1.0)
-        if out.empty():
-            codes = {r: procs[r].exitcode for r in dead}
-            raise RuntimeError(f"demo peer(s) died, exit codes {codes}")
+def _collect(
+    results: list[DemoResult],
+    procs: list[Any],
+    out: Any,
+    inboxes: list[Any],
+    on_step: Callable[[int, StepRecord], None] | None,
+    deadline: float,
+) -> None:
+    """The parent's side of :func:`run_demos`: file the workers' messages until the
+    last run is done; hand out each run's addresses once every worker asks."""
+    n = len(procs)
+    count: dict[tuple[str, int], int] = {}
+    starts = [time.monotonic()] * len(results)  # run 0 counts spawning and imports
+    while count.get(("done", len(results) - 1), 0) < n:
+        try:
+            kind, run, *payload = out.get(timeout=0.5)
+        except queue.Empty:
+            dead = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
+            if dead and out.empty():
+                raise RuntimeError(f"demo peer(s) died, exit codes {dead}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError("demo timed out; see run_demos(timeout_s=...)") from None
+            continue
+        if kind == "error":
+            raise RuntimeError(f"demo peer {payload[0]} failed:\n{payload[1]}")
+        res = results[run]
+        count[kind, run] = count.get((kind, run), 0) + 1
+        if kind == "step":
+            res.steps.append(payload[0])
+            if on_step is not None:
+                on_step(run, payload[0])
+        elif kind == "eval":
+            res.evals.append(payload[0])
+        elif kind == "want" and count[kind, run] == n:  # everyone is waiting: go
+            starts[run] = starts[run] if run == 0 else time.monotonic()
+            addrs = free_tcp_addresses(n)
+            for box in inboxes:
+                box.put(addrs)
+        elif kind == "ready":
+            res.startup_s = max(res.startup_s, payload[1] - starts[run])
+        elif kind == "done" and count[kind, run] == n:
+            res.wall_s = payload[1] - starts[run]

@@ -330,9 +330,25 @@ class Node:
         return msgpack.packb([list(e) for e in self.membership.view()])
 
     # ------------------------------------------------------------------ membership
+    async def _connect_bootstrap(self) -> None:
+        """Let backends with lazy connections (ZeroMQ ``IMMEDIATE``) finish connecting
+        to the bootstrap peers first, so the first HELLO is not dropped and joining
+        takes milliseconds instead of a heartbeat interval."""
+        transport = self.transport
+        connect = getattr(transport, "connect", None) or getattr(
+            getattr(transport, "inner", None), "connect", None
+        )
+        if connect is None or not self._bootstrap:
+            return
+        await asyncio.gather(
+            *(connect(a, min(0.2, self.config.heartbeat_interval_s)) for a in self._bootstrap),
+            return_exceptions=True,
+        )
+
     async def _heartbeat_loop(self) -> None:
         assert self.membership is not None
         interval = self.config.heartbeat_interval_s
+        await self._connect_bootstrap()
         while not self._closed:
             now = self.clock.now()
             self.membership.expire(now)

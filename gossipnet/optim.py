@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._moshpit_optim import MoshpitStrategy
 from .averaging.allreduce import LossyAllReduce, OwnedShard
 from .averaging.chunks import FlatBuffer
 from .errors import ConfigError
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 
 MODE_GRADS = 0
 MODE_RESYNC = 1
-STRATEGIES = ("allreduce",)
+STRATEGIES = ("allreduce", "moshpit")
 
 ShardKey = tuple[tuple[int, int, int], ...]  # (bucket, start, length) per owned shard
 
@@ -53,7 +54,12 @@ class GossipOptimizer:
         peer: the joined :class:`gossipnet.Peer`.
         base: a constructed torch optimizer (SGD, Adam, AdamW, ...); its class,
             defaults and param groups are used; it never steps itself.
-        strategy: ``"allreduce"`` (loss-tolerant reduce-scatter + broadcast).
+        strategy: ``"allreduce"`` (loss-tolerant reduce-scatter + broadcast) or
+            ``"moshpit"`` (local steps with ``base``, Moshpit averaging of the
+            parameters every ``average_every`` steps; state download on join; see
+            :class:`gossipnet._moshpit_optim.MoshpitStrategy` for ``moshpit_options``:
+            ``average_state``, ``sync_state``, ``group_size``, ``rounds``,
+            ``checkpoint``, ``checkpoint_every``, ``sync_timeout``).
         resync_every_steps: resync period in rounds (default from ``Config``; 0 = only
             the first round).
         timeout: bound of one step's collective in seconds.
@@ -70,7 +76,11 @@ class GossipOptimizer:
         strategy: str = "allreduce",
         resync_every_steps: int | None = None,
         timeout: float | None = None,
+        average_every: int = 1,
+        **moshpit_options: Any,
     ) -> None:
+        if moshpit_options and strategy != "moshpit":
+            raise ConfigError(f"options {sorted(moshpit_options)} need strategy='moshpit'")
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy {strategy!r} is not available; choose one of {STRATEGIES}")
         self.peer = peer
@@ -87,8 +97,9 @@ class GossipOptimizer:
         if not any(self.groups):
             raise ValueError("the optimizer has no parameter that requires grad")
         self.param_flats = [FlatBuffer.adopt(ps) if ps else None for ps in self.groups]
-        self.grad_flats = [
-            FlatBuffer([torch.zeros_like(p) for p in ps]) if ps else None for ps in self.groups
+        self.grad_flats = [  # the moshpit strategy steps locally: no gradient buckets
+            FlatBuffer([torch.zeros_like(p) for p in ps]) if ps and strategy != "moshpit" else None
+            for ps in self.groups
         ]
         self.bucket_group: list[int] = []
         for g, flat in enumerate(self.param_flats):
@@ -101,6 +112,9 @@ class GossipOptimizer:
         self.step_count = 0
         self.last_report: CollectiveReport | None = None
         self.last_resync: CollectiveReport | None = None
+        self._moshpit: MoshpitStrategy | None = None
+        if strategy == "moshpit":
+            self._moshpit = MoshpitStrategy(self, average_every=average_every, **moshpit_options)
 
     # ------------------------------------------------------------------ public
     @property
@@ -124,8 +138,12 @@ class GossipOptimizer:
         gradients are sent as they are with that weight.
 
         Returns the gradient round's :class:`CollectiveReport` (also in
-        ``last_report``; a resync's report is in ``last_resync``).
+        ``last_report``; a resync's report is in ``last_resync``).  With
+        ``strategy="moshpit"``: a local step, and every ``average_every`` steps the
+        Moshpit averaging's report (else a ``method="local"`` one).
         """
+        if self._moshpit is not None:
+            return self._moshpit.step(closure, weight)
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -165,6 +183,8 @@ class GossipOptimizer:
 
     def resync(self) -> CollectiveReport:
         """Average parameters now and repair every lost chunk (replicas become equal)."""
+        if self._moshpit is not None:
+            return self._moshpit.average()
         params = self._param_buckets()
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         report = self.peer._call(self._resync(staged), self.timeout * 2 + 30)
@@ -311,6 +331,8 @@ class GossipOptimizer:
         The state is stored as full-length per-bucket tensors (zeros outside the
         shard this peer owned), so it loads under any later shard map.
         """
+        if self._moshpit is not None:
+            return self._moshpit.state_dict()
         params = self._param_buckets()
         return {
             "step_count": self.step_count,
@@ -323,6 +345,9 @@ class GossipOptimizer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._moshpit is not None:
+            self._moshpit.load_state_dict(state)
+            return
         self.step_count = int(state["step_count"])
         for g, saved in zip(self.base.param_groups, state["param_groups"], strict=True):
             g.update(saved)

@@ -9,6 +9,7 @@ never races the network.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets as _secrets
@@ -18,12 +19,15 @@ from typing import Any, TypeVar
 
 import torch
 
+from . import _signals
 from ._loop import LoopThread
 from ._microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
 from ._node import Node
 from .averaging.allreduce import LossyAllReduce
 from .averaging.chunks import FlatBuffer
 from .averaging.dropcompute import Normalise
+from .averaging.moshpit import MoshpitAverager
+from .averaging.statesync import StateSync
 from .clock import Clock
 from .config import Config
 from .errors import ClosedError, ConfigError
@@ -114,6 +118,8 @@ class Peer:
         )
         self._closed = False
         self._allreduce: LossyAllReduce | None = None
+        self._moshpit: MoshpitAverager | None = None
+        self._statesync: StateSync | None = None
         self._flats: dict[tuple[Any, ...], FlatBuffer] = {}
         self._microbatch = MicrobatchState()
         try:
@@ -230,11 +236,78 @@ class Peer:
         assert self._allreduce is not None
         return self._allreduce
 
+    def average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        method: str = "moshpit",
+        rounds: int | None = None,
+        *,
+        weight: float = 1.0,
+        timeout: float | None = None,
+        group_size: int | None = None,
+    ) -> CollectiveReport:
+        """Average ``tensors`` (e.g. parameters) with the other peers, in place.
+
+        ``method="moshpit"`` (Ryabinin et al. 2021): ``rounds`` rounds of group
+        all-reduces on a virtual grid of groups of at most ``group_size`` peers;
+        the default runs the grid's d rounds, which give every peer the exact
+        mean on a full grid, and contract the spread geometrically otherwise.
+        ``method="allreduce"`` is :meth:`all_reduce`.  Lost packets, dead peers
+        and peers whose views disagree never raise: the report says what happened.
+
+        Args:
+            tensors: any float dtypes and shapes, the same layout on every peer.
+            rounds: Moshpit rounds (None: to the end of the current sweep of d).
+            weight: this peer's weight in each group mean, >= 0.
+            timeout: bound of each group all-reduce in seconds (default
+                ``Config.collective_timeout_s``); matchmaking adds its own bound.
+            group_size: largest group M (default 32); the grid follows the live count.
+
+        Returns:
+            The merged :class:`CollectiveReport` (``extra``: rounds, mean group size,
+            rounds spent alone).
+        """
+        if method == "allreduce":
+            return self.all_reduce(tensors, timeout, weight=weight)
+        if method != "moshpit":
+            raise ConfigError(f"average method {method!r} unknown; use 'moshpit' or 'allreduce'")
+        if not tensors:
+            raise ValueError("average needs at least one tensor")
+        averager = self._moshpit
+        assert averager is not None
+        cfg = averager.config
+        if group_size is not None or timeout is not None:
+            cfg = dataclasses.replace(
+                cfg,
+                max_group_size=cfg.max_group_size if group_size is None else group_size,
+                round_timeout_s=cfg.round_timeout_s if timeout is None else timeout,
+            )
+        flat = self._flat_for(tensors)
+        buckets = flat.flatten(tensors)
+        if not all(bool(torch.isfinite(b).all()) for b in buckets):
+            log.warning("peer %s: non-finite values to average; weight 0 this call", self.peer_id)
+            for b in buckets:
+                torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
+            weight = 0.0
+        cpu = [b if b.device.type == "cpu" else b.cpu() for b in buckets]
+        n_rounds = rounds or averager.grid_for(len(self.alive_peers()), cfg).dims
+        per_round = cfg.matchmaking_timeout_s + 3 * cfg.reply_margin_s
+        per_round += cfg.round_timeout_s or self.config.collective_timeout_s
+        coro = averager.average(cpu, rounds=rounds, weight=weight, config=cfg)
+        report = self._call(coro, (n_rounds + 1) * per_round + 30)
+        for b, c in zip(buckets, cpu, strict=True):
+            if b is not c:
+                b.copy_(c)
+        flat.unflatten_into(tensors)
+        return report
+
     async def _start(self) -> None:
         """Start the node and its engines on the loop thread, before any packet can
         arrive for them (an engine created lazily would miss a fast peer's first round)."""
         await self._node.start()
         self._allreduce = LossyAllReduce(self._node)
+        self._moshpit = MoshpitAverager(self._node)
+        self._statesync = StateSync(self._node)
 
     def _flat_for(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
         key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
@@ -355,6 +428,7 @@ def join(
     clock: Clock | None = None,
     network: Any = None,
     wait_for: int | None = None,
+    handle_sigterm: bool = True,
     **overrides: Any,
 ) -> Peer:
     """Start a peer and join the others.
@@ -373,6 +447,8 @@ def join(
         wait_for: peers (self included) to wait for before returning, up to
             ``Config.join_timeout_s``; default: the distinct bootstrap addresses plus
             us, or ``WORLD_SIZE`` under torchrun.
+        handle_sigterm: on SIGTERM, announce our departure and leave (within about a
+            second), then exit as SIGTERM would; installed only from the main thread.
 
     Returns:
         A running :class:`Peer` (also a context manager that leaves on exit).
@@ -397,7 +473,7 @@ def join(
         env_secret = os.environ.get("GOSSIPNET_SECRET")
         secret = env_secret.encode() if env_secret else None
     key = secret.encode() if isinstance(secret, str) else secret
-    return Peer(
+    peer = Peer(
         config=cfg,
         listen=listen,
         peer_id=peer_id,
@@ -408,3 +484,6 @@ def join(
         network=network,
         expected_peers=expected,
     )
+    if handle_sigterm:
+        _signals.install(peer)
+    return peer

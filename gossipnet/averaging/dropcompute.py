@@ -157,7 +157,6 @@ def threshold_scores(
     *,
     overhead_s: float = 0.0,
     interruptible: bool = False,
-    block: int = 16,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(score, drop rate, compute speed-up) per threshold: ``get_best_threshold``'s table.
 
@@ -165,45 +164,49 @@ def threshold_scores(
     ``gain = max_w total - max_w compute(tau)``, ``speed = gain / (max_w total + overhead)``,
     ``drop = dropped micro-batches / (W * M)``, ``score = mean_s (1 - drop)/(1 - speed) - 1``.
 
+    Cost O(W S M log T + S T), not O(W S M T): each finish time is placed in the
+    grid once (``searchsorted``); per step, counts are cumulated and the slowest
+    worker's compute is a running maximum along the grid (a worker's compute only
+    grows with tau, so the largest value started so far is the current maximum).
+
     Args:
         times: ``[W, S, M]`` seconds per micro-batch, every entry observed (no NaN).
-        taus: thresholds in seconds.
+        taus: thresholds in seconds (any order).
         overhead_s: per-step time outside compute (all-reduce, optimizer); the
             authors' ``raw_train_time / steps - mean(compute)``.
         interruptible: see the module docstring.
-        block: thresholds evaluated together (bounds memory to ``block x W x S x M``).
     """
     if times.ndim != 3 or not np.isfinite(times).all():
         raise ValueError("times must be a finite [workers, steps, microbatches] array")
-    w, _, m = times.shape
-    total = times.sum(axis=-1)
-    compute = total.max(axis=0)  # [S] the synchronous step waits for the slowest
+    w, s, m = times.shape
+    order = np.argsort(taus)
+    ts = np.asarray(taus, dtype=np.float64)[order]
+    t = len(ts)
+    acc = np.cumsum(times, axis=-1)
+    compute = acc[..., -1].max(axis=0)  # [S] the synchronous step waits for the slowest
     raw = compute + max(0.0, overhead_s)
-    out_score, out_drop, out_speed = [], [], []
-    for i in range(0, len(taus), block):
-        tb = np.asarray(taus[i : i + block], dtype=np.float64)
-        done, spent = _cut_many(times, tb, interruptible)  # [T, W, S]
-        gain = compute[None] - spent.max(axis=1)  # [T, S]
-        speed = np.minimum(gain / np.maximum(raw[None], 1e-300), 1 - 1e-12)
-        drop = (m - done).sum(axis=1) / (w * m)  # [T, S]
-        out_score.append(((1 - drop) / (1 - speed) - 1).mean(axis=-1))
-        out_drop.append(drop.mean(axis=-1))
-        out_speed.append(speed.mean(axis=-1))
-    return np.concatenate(out_score), np.concatenate(out_drop), np.concatenate(out_speed)
-
-
-def _cut_many(times: np.ndarray, taus: np.ndarray, interruptible: bool) -> tuple[np.ndarray, ...]:
-    acc = np.cumsum(times, axis=-1)[None]  # [1, W, S, M]
-    t = taus[:, None, None, None]
-    m = times.shape[-1]
-    if interruptible:
-        done = np.count_nonzero(acc <= t, axis=-1)
-    else:
-        done = 1 + np.count_nonzero(acc[..., :-1] <= t, axis=-1)
-    idx = np.clip(done - 1, 0, m - 1)[..., None]
-    full = np.broadcast_to(acc, (len(taus), *acc.shape[1:]))
-    spent = np.where(done > 0, np.take_along_axis(full, idx, axis=-1)[..., 0], 0.0)
-    return done, spent
+    # a finish at or before tau lets one more micro-batch count (the next one to start,
+    # or, interruptibly, this one), from the first grid threshold >= it onwards
+    edges = acc if interruptible else acc[..., :-1]
+    first = np.searchsorted(ts, edges, side="left")  # [W, S, E] in 0..T
+    row = np.arange(s)[None, :, None] * (t + 1)
+    counted = np.bincount((row + first).ravel(), minlength=s * (t + 1)).reshape(s, t + 1)
+    done_sum = np.cumsum(counted, axis=1)[:, :t] + (0 if interruptible else w)
+    # compute time of a worker from a grid point on: the finish of its last counted one
+    starts = (row + first).ravel()
+    values = (acc if interruptible else acc[..., 1:]).ravel()
+    if not interruptible:  # the first micro-batch always runs
+        starts = np.concatenate([starts, (row[..., 0] + np.zeros((w, 1), dtype=np.int64)).ravel()])
+        values = np.concatenate([values, acc[..., 0].ravel()])
+    spent = np.zeros(s * (t + 1))
+    np.maximum.at(spent, starts, values)
+    spent_max = np.maximum.accumulate(spent.reshape(s, t + 1), axis=1)[:, :t]
+    speed = np.minimum((compute[:, None] - spent_max) / np.maximum(raw, 1e-300)[:, None], 1 - 1e-12)
+    drop = 1.0 - done_sum / (w * m)  # [S, T]
+    score = ((1 - drop) / (1 - speed) - 1).mean(axis=0)
+    out = np.empty((3, t))
+    out[:, order] = score, drop.mean(axis=0), speed.mean(axis=0)
+    return out[0], out[1], out[2]
 
 
 def best_threshold(

@@ -150,6 +150,8 @@ class MoshpitAverager:
         self.next_round = 0
         self.max_seen = -1
         self.last_rounds: list[CollectiveReport] = []
+        #: the latest round each peer announced in its heartbeat (0: never averaged)
+        self.beacons: dict[str, int] = {}
         self._cur: _Current | None = None
         self._early: dict[int, list[Packet]] = collections.defaultdict(list)
         self._replies: dict[tuple[int, str], Packet] = {}
@@ -277,20 +279,21 @@ class MoshpitAverager:
             now = clock.now()
             if not pending or now >= deadline:
                 break
+            # Nobody joined yet: we may simply be early (compute skew), so wait up to the
+            # deadline.  Once someone joined, the rest get the learned allowance.
             cut = deadline
-            if self._spreads:
+            if self._spreads and asm.first is not None:
                 typical = statistics.median(self._spreads)
                 allowance = max(cfg.join_min_wait_s, cfg.join_wait_factor * typical)
-                anchor = max(asm.start, asm.first if asm.first is not None else asm.start)
-                cut = min(deadline, anchor + allowance)
+                cut = min(deadline, asm.first + allowance)
                 if now >= cut:
                     break
             asm.wake.clear()
             await _wait_any(clock, [asm.wake.wait()], cut - now)
         asm.closed = True
         now = clock.now()
-        if asm.expected <= set(asm.joined) and asm.last is not None:
-            self._spreads.append(asm.last - max(asm.start, asm.first or asm.start))
+        if asm.expected <= set(asm.joined) and asm.last is not None and asm.first is not None:
+            self._spreads.append(asm.last - asm.first)
         members = sorted({me} | {q for q, gives_up in asm.joined.items() if gives_up > now})
         payload = msgpack.packb(members)
         for q in members:
@@ -377,7 +380,8 @@ class MoshpitAverager:
             if asm is None:
                 self._reply(pkt.src, {"t": t, "st": "redirect", "to": cur.leader})
             elif asm.closed:
-                self._spreads.append(now - max(asm.start, asm.first or asm.start))
+                if asm.first is not None:  # a late member: allow more next time
+                    self._spreads.append(now - asm.first)
                 self._reply(pkt.src, {"t": t, "st": "refuse"})
             elif pkt.src not in asm.joined and len(asm.joined) + 1 >= asm.cap:
                 self._reply(pkt.src, {"t": t, "st": "refuse"})
@@ -404,8 +408,11 @@ class MoshpitAverager:
         t = pkt.fields.get("mpt")
         if type(t) is int:
             self._saw(t)
+            self.beacons[pkt.src] = t
 
     def _on_membership(self, event: str, peer: str) -> None:
+        if event != "joined":
+            self.beacons.pop(peer, None)
         cur = self._cur
         if event != "joined" and cur is not None and cur.assembly is not None:
             cur.assembly.wake.set()  # a planned member died: stop waiting for it

@@ -172,9 +172,14 @@ class StateSync:
     def publish(self, data: bytes, meta: dict[str, Any] | None = None) -> Snapshot:
         """Make ``data`` (e.g. :func:`pack_state`) the state served to others."""
         snap = Snapshot.of(bytes(data), self.chunk_bytes, meta or {}, self.node.clock.now())
+        self.install(snap)
+        return snap
+
+    def install(self, snap: Snapshot) -> None:
+        """Serve ``snap`` (built with :meth:`Snapshot.of` off the loop thread: hashing a
+        large state there would stall heartbeats)."""
         self.snapshots = [*self.snapshots[-(_KEEP_SNAPSHOTS - 1) :], snap]
         self.wanted = False
-        return snap
 
     def _find(self, sid: object) -> Snapshot | None:
         return next((s for s in self.snapshots if s.sid == sid), None)

@@ -186,7 +186,7 @@ class ScheduleConfig:
 
     budget_s: float = 20.0
     min_probability: float = 0.05
-    merge_weight: float = 0.02
+    merge_weight: float = 0.05
 
     def __post_init__(self) -> None:
         if not self.budget_s > 0:
@@ -213,13 +213,17 @@ class Phase:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Schedule:
-    """The phases of one round, in order, and what the scheduler expected of them."""
+    """The phases of one round, in order, and what the scheduler expected of them.
+
+    ``score`` is the scheduler's objective (module doc) for these phases.
+    """
 
     n: int
     phases: tuple[Phase, ...]
     feasible_edges: IntArray
     feasible_weights: FloatArray
     matchings: tuple[IntArray, ...]
+    score: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -428,13 +432,13 @@ def plan_schedule(
         best = _random_walk(table, config, edges, rows, root, limit, rng)
     else:
         best = _beam(table, config, edges, rows, root, limit)
-    return Schedule(n, tuple(best.phases), edges, weights, matchings)
+    return Schedule(n, tuple(best.phases), edges, weights, matchings, best.objective.total)
 
 
 #: Partial schedules kept per step, by objective and by objective per second: a
 #: plain greedy is myopic (a long first phase can eat the budget that two short
 #: ones would have used to join a cluster); a small beam is not, and stays cheap.
-_BEAM = 4
+_BEAM = 3
 
 Candidate = tuple[int, IntArray, FloatArray, float]
 

@@ -26,7 +26,13 @@ from ._proc import HostProcess, PyTask, WorkerError
 from ._registry import cleanup_stale
 from ._shaping import LinkState
 from ._sys import TestbedError, TestbedUnavailable, unavailable_reason
-from .measure import LossMeasurement, binomial_bounds, measure_loss, measure_throughput
+from .measure import (
+    LossMeasurement,
+    binomial_bounds,
+    measure_links,
+    measure_loss,
+    measure_throughput,
+)
 
 __all__ = (
     "Host",
@@ -42,6 +48,7 @@ __all__ = (
     "WorkerError",
     "binomial_bounds",
     "cleanup_stale",
+    "measure_links",
     "measure_loss",
     "measure_throughput",
     "unavailable_reason",

@@ -52,6 +52,8 @@ class TestbedConfig:
         keep_logs: keep the run directory (children's stdout/stderr) after teardown.
     """
 
+    __test__ = False  # a library class whose name starts with "Test": not a pytest class
+
     hosts: int = 4
     subnet: str = "10.77.0.0/24"
     mtu: int = 1500
@@ -169,6 +171,8 @@ class Testbed:
     Raises:
         TestbedUnavailable: on :meth:`up`, when this machine cannot host it.
     """
+
+    __test__ = False  # not a pytest class
 
     def __init__(self, config: TestbedConfig | None = None, **overrides: Any) -> None:
         cfg = config or TestbedConfig()

@@ -39,6 +39,8 @@ INSTALL_HINT = "run `sudo scripts/install-testbed-deps.sh` (apt-get install nfta
 class TestbedError(GossipError):
     """A testbed command failed; the message holds the command and its stderr."""
 
+    __test__ = False  # not a pytest class
+
 
 class TestbedUnavailable(TestbedError):
     """This machine cannot host a testbed (not root, tools or netns support missing)."""

@@ -12,6 +12,7 @@ receiver's ``RcvbufErrors`` say where any extra loss came from.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,13 @@ from . import _probe
 if TYPE_CHECKING:
     from ._net import Host, Testbed
 
-__all__ = ("LossMeasurement", "binomial_bounds", "measure_loss", "measure_throughput")
+__all__ = (
+    "LossMeasurement",
+    "binomial_bounds",
+    "measure_links",
+    "measure_loss",
+    "measure_throughput",
+)
 
 #: z of the bounds: a fair link falls outside with probability ~7e-6 (4.5 sigma),
 #: so the check is not flaky, yet 5000 packets pin 10% loss to +-1.9 points.
@@ -97,7 +104,7 @@ def measure_loss(
     *,
     count: int = 5000,
     rate_pps: float = 20000.0,
-    port: int = 9977,
+    port: int = 9900,
     timeout_s: float = 30.0,
 ) -> LossMeasurement:
     """Send ``count`` numbered datagrams ``src`` -> ``dst`` and count arrivals.
@@ -106,36 +113,68 @@ def measure_loss(
     (1 - (1 - src loss_out)(1 - dst loss_in), or 1 if either end is cut).
     Datagrams are 1000 bytes: one frame each, like gossipnet's MTU-sized chunks.
     """
-    s, d = tb.host(src), tb.host(dst)
-    ready = tb.run_dir / f"probe-{s.name}-{d.name}-{port}.ready"
-    done = ready.with_suffix(".done")
-    ready.unlink(missing_ok=True)
-    done.unlink(missing_ok=True)
+    return measure_links(tb, [(src, dst)], count=count, rate_pps=rate_pps, port=port,
+                         timeout_s=timeout_s)[0]  # fmt: skip
+
+
+def measure_links(
+    tb: Testbed,
+    pairs: Sequence[tuple[int | str | Host, int | str | Host]],
+    *,
+    count: int = 5000,
+    rate_pps: float = 20000.0,
+    port: int = 9900,
+    timeout_s: float = 30.0,
+) -> list[LossMeasurement]:
+    """:func:`measure_loss` for several (src, dst) pairs at once (one port each).
+
+    ``switch_dropped`` of a pair counts every frame its source sent and its
+    destination was sent that the rules dropped, so it is exact when each
+    host is the source of at most one pair (e.g. a ring h0->h1->...->h0).
+    """
+    hosts = [(tb.host(a), tb.host(b)) for a, b in pairs]
+    marks = []
+    for i, (s, d) in enumerate(hosts):
+        ready = tb.run_dir / f"probe-{s.name}-{d.name}-{port + i}.ready"
+        done = ready.with_suffix(".done")
+        ready.unlink(missing_ok=True)
+        done.unlink(missing_ok=True)
+        marks.append((ready, done))
     before = tb.counters()
-    buf0 = d.snmp().get("Udp", {}).get("RcvbufErrors", 0)
-    sink = d.start(_probe.udp_sink, d.ip, port, str(ready), str(done), count, 0.3, timeout_s,
-                   standalone=True, label=f"sink-{s.name}-{d.name}")  # fmt: skip
-    source = s.start(_probe.udp_source, d.ip, port, str(ready), count, 1000, rate_pps,
-                     standalone=True, label=f"source-{s.name}-{d.name}")  # fmt: skip
-    sent = source.result(timeout_s)
-    done.touch()
-    got = sink.result(timeout_s)
+    buf0 = {d.name: d.snmp().get("Udp", {}).get("RcvbufErrors", 0) for _, d in hosts}
+    sinks = [
+        d.start(_probe.udp_sink, d.ip, port + i, str(r), str(dn), count, 0.3, timeout_s,
+                standalone=True, label=f"sink-{s.name}-{d.name}-{port + i}")  # fmt: skip
+        for i, ((s, d), (r, dn)) in enumerate(zip(hosts, marks, strict=True))
+    ]
+    sources = [
+        s.start(_probe.udp_source, d.ip, port + i, str(r), count, 1000, rate_pps,
+                standalone=True, label=f"source-{s.name}-{d.name}-{port + i}")  # fmt: skip
+        for i, ((s, d), (r, _)) in enumerate(zip(hosts, marks, strict=True))
+    ]
+    sent = [task.result(timeout_s) for task in sources]
+    for _, done in marks:
+        done.touch()
+    got = [task.result(timeout_s) for task in sinks]
     after = tb.counters()
-    buf1 = d.snmp().get("Udp", {}).get("RcvbufErrors", 0)
-    p = _expected(tb, s, d)
-    n = int(sent["sent"])
-    low, high = binomial_bounds(n, p) if n else (0.0, 1.0)
-    return LossMeasurement(
-        src=s.name,
-        dst=d.name,
-        expected_rate=p,
-        sent=n,
-        received=int(got["distinct"]),
-        low=low,
-        high=high,
-        switch_dropped=_drops(after, s, d) - _drops(before, s, d),
-        rcvbuf_errors=buf1 - buf0,
-    )
+    out = []
+    for (s, d), snt, gt in zip(hosts, sent, got, strict=True):
+        p = _expected(tb, s, d)
+        n = int(snt["sent"])
+        low, high = binomial_bounds(n, p) if n else (0.0, 1.0)
+        buf1 = d.snmp().get("Udp", {}).get("RcvbufErrors", 0)
+        out.append(LossMeasurement(
+            src=s.name,
+            dst=d.name,
+            expected_rate=p,
+            sent=n,
+            received=int(gt["distinct"]),
+            low=low,
+            high=high,
+            switch_dropped=_drops(after, s, d) - _drops(before, s, d),
+            rcvbuf_errors=buf1 - buf0[d.name],
+        ))  # fmt: skip
+    return out
 
 
 def measure_throughput(

@@ -200,6 +200,10 @@ def test_scores_match_the_authors_loop(interruptible: bool) -> None:
     taus = threshold_grid(times, points=17)
     fast = threshold_scores(times, taus, overhead_s=0.2, interruptible=interruptible)[0]
     np.testing.assert_allclose(fast, brute_scores(times, taus, 0.2, interruptible), rtol=1e-12)
+    # any thresholds, in any order, below the first finish and past the last one
+    wide = np.random.default_rng(0).permutation(np.linspace(0.0, 1.2 * times.sum(-1).max(), 41))
+    fast = threshold_scores(times, wide, overhead_s=0.2, interruptible=interruptible)[0]
+    np.testing.assert_allclose(fast, brute_scores(times, wide, 0.2, interruptible), rtol=1e-12)
 
 
 def test_auto_tau_maximises_the_score_on_lognormal_timings() -> None:

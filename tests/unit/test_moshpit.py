@@ -11,6 +11,7 @@ acknowledges JOINs and its followers wait for it until their deadline.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -103,7 +104,9 @@ def test_full_grid_gives_every_peer_the_exact_mean_after_d_rounds(
             xs = inputs(n)
             mean = torch.stack(xs).mean(0)
             # one call each, rounds=None: the d rounds of the sweep
-            reps = await drive(clock, asyncio.gather(*(a.average([x]) for a, x in zip(avs, xs))))
+            reps = await drive(
+                clock, asyncio.gather(*(a.average([x]) for a, x in zip(avs, xs, strict=True)))
+            )
             for x in xs:
                 assert float(((x - mean).abs() / mean.abs()).max()) < 1e-6
             for rep in reps:
@@ -111,7 +114,8 @@ def test_full_grid_gives_every_peer_the_exact_mean_after_d_rounds(
                 assert rep.extra["rounds"] == grid[1]
                 assert rep.extra["mean_group_size"] == grid[0]
                 assert rep.extra["alone_rounds"] == 0
-                assert not rep.missing and rep.chunks_stale == 0
+                assert not rep.missing
+                assert rep.chunks_stale == 0
 
     run_async(main(), 60)
 
@@ -213,7 +217,7 @@ def test_ten_percent_failing_per_round_still_decays_geometrically(
                 var.append(spread(xs))
                 torch.testing.assert_close(torch.stack(xs).sum(0), total, rtol=1e-12, atol=1e-8)
             rate = math.exp(math.log(var[-1] / var[0]) / rounds)  # geometric mean factor
-            worst = max(b / a for a, b in zip(var, var[1:], strict=False))
+            worst = max(b / a for a, b in itertools.pairwise(var))
             # the 2.6 simulator on the same plans gives 0.30 (it loses no leader); without
             # failures the first round gives 0.32 and the sweep is exact
             assert rate < 0.45, (rate, var)

@@ -23,7 +23,6 @@ from gossipnet.averaging._moshpit_grid import (
     group_id,
     group_permutation,
     initial_keys,
-    keys_at,
     plan_round,
 )
 
@@ -148,7 +147,13 @@ def simulate(
     per round; ends early once below ``stop``."""
     rng = random.Random(seed)
     peers = view(n)
-    x = dict(zip(peers, torch.randn(n, generator=torch.Generator().manual_seed(seed)).tolist()))
+    x = dict(
+        zip(
+            peers,
+            torch.randn(n, generator=torch.Generator().manual_seed(seed)).tolist(),
+            strict=True,
+        )
+    )
     mean = sum(x.values()) / n
     out = [sum((v - mean) ** 2 for v in x.values()) / n]
     for t in range(rounds):
@@ -189,7 +194,7 @@ def test_simulated_rate_under_failures_is_near_one_over_m() -> None:
     hit = []
     for seed in range(3):
         var = simulate(1024, grid, 8, 0.005, seed)
-        rates.append((var[1] / var[0]))
+        rates.append(var[1] / var[0])
         hit.append(next(t for t, v in enumerate(var) if v <= 1e-9 * var[0]))
     assert max(rates) < 2.0 / 32
     assert max(hit) <= 6

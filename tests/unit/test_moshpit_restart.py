@@ -79,14 +79,17 @@ def test_restarted_peer_is_back_in_a_group_within_three_rounds(
             ss[VICTIM] = StateSync(node)
             xs[VICTIM] = torch.full((512,), 1e6, dtype=torch.float64)
             await wait_until(
-                lambda: len(node.alive_peers()) == N
-                and all(nodes[i].membership.is_alive(f"p{VICTIM}") for i in live),  # type: ignore[union-attr]
+                lambda: (
+                    len(node.alive_peers()) == N
+                    and all(nodes[i].membership.is_alive(f"p{VICTIM}") for i in live)
+                ),  # type: ignore[union-attr]
                 5,
                 clock=clock,
                 what="restarted peer seen by all",
             )
             data, rep = await drive(clock, ss[VICTIM].download(timeout_s=5))
-            assert data is not None and rep.ok, rep
+            assert data is not None, rep
+            assert rep.ok
             xs[VICTIM] = unpack_state(data)["x"].clone()
             src = int(rep.source[1:])  # type: ignore[index]
             assert torch.equal(xs[VICTIM], xs[src])  # nobody averaged since it was published
@@ -100,7 +103,9 @@ def test_restarted_peer_is_back_in_a_group_within_three_rounds(
                     avs[i].average([xs[i]], rounds=1, start_round=None if i == VICTIM else t)
                     for i in sorted(live)  # the restarted peer finds round t by itself
                 ]
-                reps = dict(zip(sorted(live), await drive(clock, asyncio.gather(*runs)), strict=True))
+                reps = dict(
+                    zip(sorted(live), await drive(clock, asyncio.gather(*runs)), strict=True)
+                )
                 mine = reps[VICTIM]
                 assert mine.round == t
                 if len(mine.participants) >= 2:
@@ -108,6 +113,7 @@ def test_restarted_peer_is_back_in_a_group_within_three_rounds(
                     for p in mine.participants:
                         assert torch.equal(xs[int(p[1:])], xs[VICTIM])
                     break
-            assert back is not None and back - 5 < 3
+            assert back is not None
+            assert back - 5 < 3
 
     run_async(main())

@@ -58,9 +58,13 @@ def test_download_is_chunked_checksummed_and_exact(
             assert snap.nchunks == 301
             got, rep = await drive(clock, ss[2].download(sources=["p0"], timeout_s=5))
             assert got == data
-            assert rep.ok and rep.source == "p0" and rep.meta == {"step": 41}
-            assert rep.chunks == 301 and rep.nbytes == len(data)
-            assert rep.chunks_resumed == 0 and rep.chunks_corrupt == 0
+            assert rep.ok
+            assert rep.source == "p0"
+            assert rep.meta == {"step": 41}
+            assert rep.chunks == 301
+            assert rep.nbytes == len(data)
+            assert rep.chunks_resumed == 0
+            assert rep.chunks_corrupt == 0
             assert ss[0].served_chunks == 301  # nothing sent twice on a lossless network
 
     run_async(main())
@@ -97,7 +101,8 @@ def test_transfer_resumes_from_another_source_when_the_first_dies(
             nodes[0].send = dying_send  # type: ignore[method-assign]
             got, rep = await drive(clock, ss[2].download(sources=["p0", "p1"], timeout_s=10))
             assert got == data
-            assert rep.ok and rep.source == "p1"
+            assert rep.ok
+            assert rep.source == "p1"
             assert rep.sources_tried == ("p0", "p1")
             assert rep.chunks_resumed == 100
             assert ss[1].served_chunks == 300
@@ -123,7 +128,8 @@ def test_corrupt_chunks_are_refused_and_the_source_abandoned(
             ss[1].publish(data)
             got, rep = await drive(clock, ss[2].download(sources=["p0", "p1"], timeout_s=10))
             assert got == data
-            assert rep.ok and rep.source == "p1"
+            assert rep.ok
+            assert rep.source == "p1"
             assert rep.chunks_corrupt >= 1
             assert rep.chunks_resumed == 63  # every good chunk from p0 was kept
 
@@ -144,7 +150,8 @@ def test_stale_or_missing_state_asks_the_trainer_for_a_fresh_one(
             await wait_until(lambda: ss[0].wanted, 2, clock=clock)
             ss[0].publish(b"new state", {"step": 2})  # what the training thread does
             got, rep = await fut
-            assert got == b"new state" and rep.meta == {"step": 2}
+            assert got == b"new state"
+            assert rep.meta == {"step": 2}
             assert not ss[0].wanted
 
     run_async(main())
@@ -160,7 +167,8 @@ def test_no_source_gives_none_within_the_deadline(
             ss = syncs(nodes, stall_timeout_s=0.3)
             t0 = clock.now()
             got, rep = await drive(clock, ss[1].download(timeout_s=2, max_age_s=None))
-            assert got is None and not rep.ok
+            assert got is None
+            assert not rep.ok
             assert "p0" in rep.sources_tried
             assert clock.now() - t0 <= 2.0 + 0.3
 
@@ -183,7 +191,7 @@ def test_pack_unpack_round_trip_is_weights_only() -> None:
         def __reduce__(self) -> Any:
             return (os.system, ("true",))
 
-    with pytest.raises(Exception, match="Weights only load failed|Unsupported"):
+    with pytest.raises(Exception, match=r"Weights only load failed|Unsupported"):
         unpack_state(pack_state({"x": Evil()}))
 
 

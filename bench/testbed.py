@@ -1,0 +1,287 @@
+"""Seconds per training step and per all-reduce on a real lossy network: gossipnet vs gloo.
+
+Why: gossipnet's claim is that kernel-level packet loss, which stalls a TCP
+collective on retransmission timeouts, costs it almost nothing.  This bench
+measures that on the namespace testbed (``gossipnet.testbed``, needs root):
+4 hosts on a switch, random loss dropped by nftables on the switch's
+forwarding path (so TCP learns of it only from missing ACKs, as on a wire),
+optionally every link capped with ``tc tbf``.
+
+Rows: kernel loss 0, 1, 5 and 10%, without and with a bandwidth cap, in one
+run.  Per row and backend, every host times R back-to-back
+
+  step       forward/backward of an MLP (32 -> H -> H -> 10) + gradient averaging
+             + SGD step: ``net.optimizer(SGD).step()`` for gossipnet (UDP backend),
+             ``dist.all_reduce(flat grads)`` + ``SGD.step()`` for gloo (TCP)
+  allreduce  the same number of floats: ``net.all_reduce`` / ``dist.all_reduce``
+
+and the row reports the slowest host's mean.  gloo ops are bounded by the
+group's timeout; a row that hit it shows ``>= X s (timed out)``, where X is
+the mean over the attempted ops counting the cut one at its timeout: a lower
+bound, and ratios built from it are lower bounds too (marked ``>=``).
+gossipnet rows also give the fraction of chunks that kept stale values
+(its price for not waiting).
+
+Links and chunks: the testbed's MTU defaults to 9000 (jumbo frames) and
+gossipnet's ``chunk_bytes`` to the largest multiple of 8 whose datagram fits
+one frame (8192 + headers < 9000); gloo's TCP uses the same links.  A chunk
+must never be IP-fragmented: a datagram of k fragments survives loss p with
+probability (1-p)^k, and a 64 KiB datagram at MTU 1500 is 45 fragments, i.e.
+10% loss becomes 99% datagram loss.  Why jumbo and not 1500: the UDP backend
+spends tens of microseconds of Python per packet, and four peers share two
+cores here, so at 1 KiB chunks the bench would time the CPU, not the network
+(``--mtu 1500`` runs it anyway, with 1 KiB chunks).
+
+    sudo .venv/bin/python bench/testbed.py --quick   # H=512 (~1.1 MB grads), < ~60 s
+    sudo .venv/bin/python bench/testbed.py           # H=1024 (~4.3 MB grads), more reps
+
+Prints a table, the ratios and a plot (``--plot``, default runs/testbed.png).
+The last stdout line is JSON with ``gloo_vs_gossipnet_5pct`` (gloo step time /
+gossipnet step time at 5% loss, no cap) and ``gossipnet_10pct_vs_0pct``;
+targets: <= 1.2 and >= 3.  Without root or tools it prints why and a JSON
+line with ``"skipped"``, and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import bench_parser, emit_json
+from _testbed_worker import bench_worker
+
+from gossipnet.testbed import Testbed, measure_loss, unavailable_reason
+
+TARGET_GN_10_VS_0 = 1.2
+TARGET_GLOO_VS_GN_5 = 3.0
+_WIRE_OVERHEAD = 20 + 8 + 13 + 16 + 320  # IP, UDP, framing, MAC, msgpack header (generous)
+
+
+def chunk_for_mtu(mtu: int) -> int:
+    """Largest chunk (multiple of 8, at most 8 KiB) whose datagram fits one frame."""
+    return min(8192, (mtu - _WIRE_OVERHEAD) // 8 * 8)
+
+
+def _args() -> Any:
+    p = bench_parser(__doc__)
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--losses", default="0,0.01,0.05,0.1", help="kernel loss rates")
+    p.add_argument("--cap-mbit", type=float, default=100.0, help="the capped rows' link rate")
+    p.add_argument("--queue-ms", type=float, default=50.0, help="cap queue (delay bound)")
+    p.add_argument("--mtu", type=int, default=9000)
+    p.add_argument("--chunk-bytes", type=int, default=None, help="default: fits the MTU")
+    p.add_argument("--hidden", type=int, default=None, help="MLP width (quick 512, else 1024)")
+    p.add_argument("--reps", type=int, default=None, help="timed gossipnet ops per row")
+    p.add_argument("--gloo-reps", type=int, default=None, help="timed gloo ops per row")
+    p.add_argument("--gloo-timeout-s", type=float, default=None, help="bound of one gloo op")
+    p.add_argument("--probe-packets", type=int, default=None, help="loss check per rate")
+    p.add_argument("--plot", default="runs/testbed.png")
+    a = p.parse_args()
+    q = a.quick
+    a.hidden = a.hidden or (512 if q else 1024)
+    a.reps = a.reps or (3 if q else 10)
+    a.gloo_reps = a.gloo_reps or (2 if q else 5)
+    a.gloo_timeout_s = a.gloo_timeout_s or (4.0 if q else 30.0)
+    a.probe_packets = a.probe_packets or (2000 if q else 5000)
+    a.chunk_bytes = a.chunk_bytes or chunk_for_mtu(a.mtu)
+    a.loss_list = [float(x) for x in a.losses.split(",")]
+    return a
+
+
+def _wait_all(tb: Testbed, tasks: list[Any], paths: list[Path], deadline_s: float) -> list[Any]:
+    """Wait for every file in ``paths``; fail fast if a worker died."""
+    end = time.monotonic() + deadline_s
+    while not all(p.exists() for p in paths):
+        for t in tasks:
+            if t.done():
+                t.result(5.0)  # raises the worker's traceback
+                raise RuntimeError(f"{t.label} exited before the bench ended")
+        if time.monotonic() > end:
+            missing = [p.name for p in paths if not p.exists()]
+            raise TimeoutError(f"no {missing} within {deadline_s:.0f} s")
+        time.sleep(0.02)
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _merge(name: str, per_rank: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+    """One backend-op cell: the slowest rank, or a lower bound when an op timed out."""
+    cells = [r[name] for r in per_rank]
+    if all(c.get("s") is not None for c in cells):
+        out = {"s": max(c["s"] for c in cells), "timed_out": False}
+        for k in ("stale_frac", "delivered"):
+            if k in cells[0]:
+                out[k] = sum(c[k] for c in cells) / len(cells)
+        return out
+    # the cut op counts at the timeout: mean over attempted ops >= elapsed / attempts
+    bounds = [c.get("elapsed", timeout_s) / (c.get("done", 0) + 1) for c in cells if c.get("s") is None]
+    return {"s": max(max(bounds), timeout_s / (max(c.get("done", 0) for c in cells) + 1)),
+            "timed_out": True}  # fmt: skip
+
+
+def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[str, Any]]:
+    rows = []
+    new_group = False
+    k = 0
+    per_phase_s = 2 * (a.reps + 1) * 10.0 + (2 * a.gloo_reps + 2) * a.gloo_timeout_s + 60
+    for cap in (None, a.cap_mbit):
+        tb.set_rate(None, cap, queue_ms=a.queue_ms)
+        for loss in a.loss_list:
+            tb.set_loss(None, loss)
+            phase = {"gn_reps": a.reps, "gloo_reps": a.gloo_reps, "new_gloo_group": new_group}
+            (ctrl / f"phase-{k}.json").write_text(json.dumps(phase))
+            t0 = time.monotonic()
+            paths = [ctrl / f"result-{k}-{r}.json" for r in range(a.hosts)]
+            results = _wait_all(tb, tasks, paths, per_phase_s)
+            row: dict[str, Any] = {"loss": loss, "cap_mbit": cap, "wall_s": time.monotonic() - t0}
+            for backend in ("gossipnet", "gloo"):
+                for op in ("step", "allreduce"):
+                    row[f"{backend}_{op}"] = _merge(op, [r[backend] for r in results],
+                                                    a.gloo_timeout_s)  # fmt: skip
+            new_group = row["gloo_step"]["timed_out"] or row["gloo_allreduce"]["timed_out"]
+            rows.append(row)
+            print(_row_text(row), flush=True)
+            k += 1
+    (ctrl / "stop").touch()
+    return rows
+
+
+def _fmt(cell: dict[str, Any]) -> str:
+    return f">= {cell['s']:.3f} s (timed out)" if cell["timed_out"] else f"{cell['s']:.3f} s"
+
+
+def _ratio(num: dict[str, Any], den: dict[str, Any]) -> tuple[float, bool]:
+    """``num / den`` and whether it is only a lower bound (``num`` timed out)."""
+    return num["s"] / den["s"], bool(num["timed_out"])
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    cap = f"{row['cap_mbit']:g} Mbit/s" if row["cap_mbit"] else "none"
+    parts = [f"{cap:>12} {row['loss']:>5.0%}"]
+    for op in ("step", "allreduce"):
+        gn, gl = row[f"gossipnet_{op}"], row[f"gloo_{op}"]
+        r, lb = _ratio(gl, gn)
+        parts.append(f"{_fmt(gn):>10} {_fmt(gl):>26} {'>=' if lb else '  '}{r:6.2f}x")
+    parts.append(f"{row['gossipnet_step'].get('stale_frac', 0.0):6.1%}")
+    return " | ".join(parts)
+
+
+HEADER = (
+    f"{'cap':>12} {'loss':>5} | {'gossipnet step':>10} {'gloo step':>26} {'gloo/gn':>8} | "
+    f"{'gn all-red.':>10} {'gloo all-reduce':>26} {'gloo/gn':>8} | gn stale"
+)
+
+
+def _find(rows: list[dict[str, Any]], loss: float, cap: float | None) -> dict[str, Any] | None:
+    for r in rows:
+        if abs(r["loss"] - loss) < 1e-9 and r["cap_mbit"] == cap:
+            return r
+    return None
+
+
+def _summary(rows: list[dict[str, Any]], a: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"lower_bounds": []}
+    for cap, suffix in ((None, ""), (a.cap_mbit, "_capped")):
+        r0, r5, r10 = (_find(rows, x, cap) for x in (0.0, 0.05, 0.1))
+        for op, tag in (("step", ""), ("allreduce", "_allreduce")):
+            if r5:
+                val, lb = _ratio(r5[f"gloo_{op}"], r5[f"gossipnet_{op}"])
+                out[f"gloo_vs_gossipnet_5pct{tag}{suffix}"] = round(val, 3)
+                if lb:
+                    out["lower_bounds"].append(f"gloo_vs_gossipnet_5pct{tag}{suffix}")
+            if r0 and r10:
+                val = r10[f"gossipnet_{op}"]["s"] / r0[f"gossipnet_{op}"]["s"]
+                out[f"gossipnet_10pct_vs_0pct{tag}{suffix}"] = round(val, 3)
+    g5, g10 = out.get("gloo_vs_gossipnet_5pct"), out.get("gossipnet_10pct_vs_0pct")
+    out["targets_met"] = {
+        f"gossipnet_10pct_vs_0pct <= {TARGET_GN_10_VS_0}": g10 is not None
+        and g10 <= TARGET_GN_10_VS_0,
+        f"gloo_vs_gossipnet_5pct >= {TARGET_GLOO_VS_GN_5}": g5 is not None
+        and g5 >= TARGET_GLOO_VS_GN_5,
+    }
+    return out
+
+
+def _plot(rows: list[dict[str, Any]], a: Any) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for ax, op in zip(axes, ("step", "allreduce"), strict=True):
+        for backend, color in (("gossipnet", "tab:blue"), ("gloo", "tab:red")):
+            for cap, style in ((None, "-"), (a.cap_mbit, "--")):
+                sel = [r for r in rows if r["cap_mbit"] == cap]
+                xs = [100 * r["loss"] for r in sel]
+                ys = [r[f"{backend}_{op}"]["s"] for r in sel]
+                label = f"{backend} ({'no cap' if cap is None else f'{cap:g} Mbit/s'})"
+                ax.plot(xs, ys, style, color=color, marker="o", label=label)
+                lb = [(x, y) for x, y, r in zip(xs, ys, sel, strict=True)
+                      if r[f"{backend}_{op}"]["timed_out"]]  # fmt: skip
+                if lb:
+                    ax.plot(*zip(*lb, strict=True), "^", color=color, markersize=11)
+        ax.set_yscale("log")
+        ax.set_xlabel("kernel packet loss (%)")
+        ax.set_ylabel(f"seconds per {'training step' if op == 'step' else 'all-reduce'}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{a.hosts} hosts, MTU {a.mtu}, MLP width {a.hidden}; ^ = timed out (lower bound)")
+    fig.tight_layout()
+    path = Path(a.plot)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main() -> int:
+    a = _args()
+    reason = unavailable_reason()
+    if reason:
+        print(f"bench/testbed.py skipped: {reason}")
+        emit_json({"skipped": reason, "gloo_vs_gossipnet_5pct": None,
+                   "gossipnet_10pct_vs_0pct": None})  # fmt: skip
+        return 0
+    t_start = time.monotonic()
+    with Testbed(hosts=a.hosts, mtu=a.mtu) as tb:
+        checks = []
+        for loss in a.loss_list if not a.quick else [max(a.loss_list)]:
+            tb.set_loss(None, loss)
+            m = measure_loss(tb, 0, 1, count=a.probe_packets)
+            print(f"loss check: {m}", flush=True)
+            checks.append({"set": loss, "measured": round(m.rate, 4), "ok": m.ok})
+        tb.set_loss(None, 0.0)
+        ctrl = tb.run_dir / "ctrl"
+        ctrl.mkdir()
+        plan = {"ips": [h.ip for h in tb.hosts], "hidden": a.hidden, "chunk_bytes": a.chunk_bytes,
+                "gloo_timeout_s": a.gloo_timeout_s, "gn_timeout_s": 10.0,
+                "idle_timeout_s": 600.0}  # fmt: skip
+        env = {"GLOO_SOCKET_IFNAME": "eth0"}
+        tasks = [h.start(bench_worker, i, plan, str(ctrl), env=env, label=f"bench-{h.name}")
+                 for i, h in enumerate(tb.hosts)]  # fmt: skip
+        _wait_all(tb, tasks, [ctrl / f"ready-{r}.json" for r in range(a.hosts)], 180.0)
+        print(HEADER, flush=True)
+        rows = _run_phases(tb, a, ctrl, tasks)
+        for t in tasks:
+            t.result(60.0)
+    summary = _summary(rows, a)
+    for key, value in summary.items():
+        if key != "lower_bounds":
+            print(f"{key}: {value}")
+    plot = _plot(rows, a)
+    print(f"plot: {plot}")
+    emit_json({**summary, "plot": plot, "loss_check": checks, "rows": rows,
+               "config": {k: v for k, v in vars(a).items() if k != "loss_list"},
+               "wall_s": round(time.monotonic() - t_start, 1)})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
