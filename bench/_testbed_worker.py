@@ -161,8 +161,12 @@ class _Bench:
                     op()
                     done += 1
             except Exception as err:  # gloo timeout (or a peer's): the group is now broken
-                out[name] = {"s": None, "error": repr(err)[:300], "done": done,
-                             "elapsed": time.perf_counter() - t0}  # fmt: skip
+                out[name] = {
+                    "s": None,
+                    "error": repr(err)[:300],
+                    "done": done,
+                    "elapsed": time.perf_counter() - t0,
+                }
                 out.setdefault("allreduce", {"s": None, "error": "skipped", "done": 0})
                 return out
             out[name] = {"s": (time.perf_counter() - t0) / reps, "done": done}

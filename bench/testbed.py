@@ -118,9 +118,13 @@ def _merge(name: str, per_rank: list[dict[str, Any]], timeout_s: float) -> dict[
                 out[k] = sum(c[k] for c in cells) / len(cells)
         return out
     # the cut op counts at the timeout: mean over attempted ops >= elapsed / attempts
-    bounds = [c.get("elapsed", timeout_s) / (c.get("done", 0) + 1) for c in cells if c.get("s") is None]
-    return {"s": max(max(bounds), timeout_s / (max(c.get("done", 0) for c in cells) + 1)),
-            "timed_out": True}  # fmt: skip
+    bounds = [
+        c.get("elapsed", timeout_s) / (c.get("done", 0) + 1) for c in cells if c.get("s") is None
+    ]
+    return {
+        "s": max(max(bounds), timeout_s / (max(c.get("done", 0) for c in cells) + 1)),
+        "timed_out": True,
+    }
 
 
 def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[str, Any]]:
@@ -140,8 +144,9 @@ def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[
             row: dict[str, Any] = {"loss": loss, "cap_mbit": cap, "wall_s": time.monotonic() - t0}
             for backend in ("gossipnet", "gloo"):
                 for op in ("step", "allreduce"):
-                    row[f"{backend}_{op}"] = _merge(op, [r[backend] for r in results],
-                                                    a.gloo_timeout_s)  # fmt: skip
+                    row[f"{backend}_{op}"] = _merge(
+                        op, [r[backend] for r in results], a.gloo_timeout_s
+                    )
             new_group = row["gloo_step"]["timed_out"] or row["gloo_allreduce"]["timed_out"]
             rows.append(row)
             print(_row_text(row), flush=True)
@@ -223,8 +228,11 @@ def _plot(rows: list[dict[str, Any]], a: Any) -> str | None:
                 ys = [r[f"{backend}_{op}"]["s"] for r in sel]
                 label = f"{backend} ({'no cap' if cap is None else f'{cap:g} Mbit/s'})"
                 ax.plot(xs, ys, style, color=color, marker="o", label=label)
-                lb = [(x, y) for x, y, r in zip(xs, ys, sel, strict=True)
-                      if r[f"{backend}_{op}"]["timed_out"]]  # fmt: skip
+                lb = [
+                    (x, y)
+                    for x, y, r in zip(xs, ys, sel, strict=True)
+                    if r[f"{backend}_{op}"]["timed_out"]
+                ]
                 if lb:
                     ax.plot(*zip(*lb, strict=True), "^", color=color, markersize=11)
         ax.set_yscale("log")
@@ -246,8 +254,9 @@ def main() -> int:
     reason = unavailable_reason()
     if reason:
         print(f"bench/testbed.py skipped: {reason}")
-        emit_json({"skipped": reason, "gloo_vs_gossipnet_5pct": None,
-                   "gossipnet_10pct_vs_0pct": None})  # fmt: skip
+        emit_json(
+            {"skipped": reason, "gloo_vs_gossipnet_5pct": None, "gossipnet_10pct_vs_0pct": None}
+        )
         return 0
     t_start = time.monotonic()
     with Testbed(hosts=a.hosts, mtu=a.mtu) as tb:
@@ -260,12 +269,19 @@ def main() -> int:
         tb.set_loss(None, 0.0)
         ctrl = tb.run_dir / "ctrl"
         ctrl.mkdir()
-        plan = {"ips": [h.ip for h in tb.hosts], "hidden": a.hidden, "chunk_bytes": a.chunk_bytes,
-                "gloo_timeout_s": a.gloo_timeout_s, "gn_timeout_s": 10.0,
-                "idle_timeout_s": 600.0}  # fmt: skip
+        plan = {
+            "ips": [h.ip for h in tb.hosts],
+            "hidden": a.hidden,
+            "chunk_bytes": a.chunk_bytes,
+            "gloo_timeout_s": a.gloo_timeout_s,
+            "gn_timeout_s": 10.0,
+            "idle_timeout_s": 600.0,
+        }
         env = {"GLOO_SOCKET_IFNAME": "eth0"}
-        tasks = [h.start(bench_worker, i, plan, str(ctrl), env=env, label=f"bench-{h.name}")
-                 for i, h in enumerate(tb.hosts)]  # fmt: skip
+        tasks = [
+            h.start(bench_worker, i, plan, str(ctrl), env=env, label=f"bench-{h.name}")
+            for i, h in enumerate(tb.hosts)
+        ]
         _wait_all(tb, tasks, [ctrl / f"ready-{r}.json" for r in range(a.hosts)], 180.0)
         print(HEADER, flush=True)
         rows = _run_phases(tb, a, ctrl, tasks)
@@ -277,9 +293,16 @@ def main() -> int:
             print(f"{key}: {value}")
     plot = _plot(rows, a)
     print(f"plot: {plot}")
-    emit_json({**summary, "plot": plot, "loss_check": checks, "rows": rows,
-               "config": {k: v for k, v in vars(a).items() if k != "loss_list"},
-               "wall_s": round(time.monotonic() - t_start, 1)})  # fmt: skip
+    emit_json(
+        {
+            **summary,
+            "plot": plot,
+            "loss_check": checks,
+            "rows": rows,
+            "config": {k: v for k, v in vars(a).items() if k != "loss_list"},
+            "wall_s": round(time.monotonic() - t_start, 1),
+        }
+    )
     return 0
 
 

@@ -321,9 +321,22 @@ class Node:
                 self.send_to_address(entry[1], Kind.HELLO, {"addr": self.address})
 
     def _on_leave(self, pkt: Packet) -> None:
-        if self.membership is not None:
-            self.membership.left(pkt.src, pkt.epoch)
-            self.codec.forget(pkt.src)
+        if self.membership is None:
+            return
+        address = self.membership.address_of(pkt.src)
+        self.membership.left(pkt.src, pkt.epoch)
+        self.codec.forget(pkt.src)
+        if address is not None:
+            # after a grace period: the ACK of this LEAVE is still queued on that socket
+            self.clock.call_later(self.config.control_timeout_s, lambda: self._forget(address))
+
+    def _forget(self, address: str) -> None:
+        """Release the transport's per-destination resources unless a peer uses it again."""
+        if self._closed or self.transport is None or self.membership is None:
+            return
+        if any(p.address == address for p in self.membership.known()):
+            return
+        self.transport.forget(address)
 
     def _view_payload(self) -> bytes:
         assert self.membership is not None
@@ -352,6 +365,8 @@ class Node:
         while not self._closed:
             now = self.clock.now()
             self.membership.expire(now)
+            for address in self.membership.prune(now, 10 * self.config.failure_timeout_s):
+                self._forget(address)
             view = self._view_payload()
             beat = {"addr": self.address, **self.beacon}
             for info in self.membership.known():

@@ -118,6 +118,19 @@ class Membership:
             self._emit("died", peer_id)
         return dead
 
+    def prune(self, now: float, forget_after_s: float) -> list[str]:
+        """Forget peers dead for longer than ``forget_after_s``; return their addresses.
+
+        Until then a dead peer's address is still probed with HELLO, so a peer that
+        restarts on the same address is found again; after it, its resources go.
+        """
+        gone = [
+            p for p in self._peers.values() if not p.alive and now - p.last_seen > forget_after_s
+        ]
+        for p in gone:
+            del self._peers[p.peer_id]
+        return [p.address for p in gone]
+
     def alive(self) -> list[str]:
         """Alive peers, sorted, this peer included."""
         ids = [p.peer_id for p in self._peers.values() if p.alive]

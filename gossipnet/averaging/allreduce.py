@@ -50,6 +50,7 @@ END_COPIES = 3
 _YIELD_EVERY = 32  # packets sent between yields, so receiving never starves
 _MAX_BUFFERED_PACKETS = 200_000
 _SPAN_HISTORY = 64
+_RS_SHARE = 0.6
 
 #: ``on_reduced`` receives the owned shards with their averaged values and returns
 #: the values to broadcast for those ranges (same order), e.g. stepped parameters.
@@ -293,7 +294,10 @@ class LossyAllReduce:
             for pkt in rnd.pending_ag:
                 self._on_ag(rnd, pkt)
             rnd.pending_ag.clear()
-            rs_timed_out = not await self._wait_phase(rnd.rs, "rs", deadline)
+            # the reduce-scatter may use at most 60% of the bound: the all-gather needs
+            # the rest, or a silent dead peer would leave every chunk stale
+            rs_deadline = t0 + _RS_SHARE * (deadline - t0)
+            rs_timed_out = not await self._wait_phase(rnd.rs, "rs", rs_deadline)
             shards = self._finish_rs(rnd)
             values = on_reduced(shards) if on_reduced else [s.average for s in shards]
             # all-gather: our averaged shards to everyone, then wait for the others'
@@ -407,12 +411,13 @@ class LossyAllReduce:
         clock = self.node.clock
         cfg = self.node.config
         history = self._spans[name]
-        allowance = idle = float("inf")
-        if history:
-            typical = statistics.median(history)
-            allowance = max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * typical)
-            idle = max(cfg.phase_min_wait_s, typical)
         while not phase.complete:
+            # re-read each pass: senders finishing this very phase teach a cold engine
+            allowance = idle = float("inf")
+            if history:
+                typical = statistics.median(history)
+                allowance = max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * typical)
+                idle = max(cfg.phase_min_wait_s, typical)
             now = clock.now()
             if now >= deadline:
                 return False

@@ -199,7 +199,7 @@ class MoshpitAverager:
             raise ValueError(f"rounds must be >= 1 or None, got {rounds}")
         cfg = config or self.config
         async with self._lock:
-            t = max(self.next_round, self.max_seen) if start_round is None else start_round
+            t = self._start_round(cfg) if start_round is None else start_round
             reports: list[CollectiveReport] = []
             todo = rounds
             while todo is None or len(reports) < todo:
@@ -212,6 +212,20 @@ class MoshpitAverager:
                 self.node.beacon["mpt"] = t
             self.last_rounds = reports
             return merge_reports(reports)
+
+    def _start_round(self, cfg: MoshpitConfig) -> int:
+        """Where a call starts: our next round, unless the others are a whole sweep
+        ahead (we restarted, or were cut off): then their current round.
+
+        Why not always the highest round seen, as the all-reduce does: groups end
+        their rounds at different times, so a peer a little late would see round
+        t + 1 announced and skip round t, which its own group is still waiting
+        for; one skip puts its calls out of step with everyone's for good.
+        """
+        dims = self.grid_for(len(self.node.alive_peers()), cfg).dims
+        if self.max_seen >= self.next_round + dims:
+            return self.max_seen
+        return self.next_round
 
     # ------------------------------------------------------------------ one round
     async def _round(

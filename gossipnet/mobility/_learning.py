@@ -91,7 +91,9 @@ class Mlp:
         """One initial parameter vector (Glorot-like scale)."""
         w1 = rng.standard_normal((self.dim, self.hidden)) / np.sqrt(self.dim)
         w2 = rng.standard_normal((self.hidden, self.classes)) / np.sqrt(self.hidden)
-        return np.concatenate([w1.ravel(), np.zeros(self.hidden), w2.ravel(), np.zeros(self.classes)])
+        return np.concatenate(
+            [w1.ravel(), np.zeros(self.hidden), w2.ravel(), np.zeros(self.classes)]
+        )
 
     def _unpack(self, theta: FloatArray) -> tuple[FloatArray, ...]:
         n, d, h, c = theta.shape[0], self.dim, self.hidden, self.classes
@@ -108,7 +110,9 @@ class Mlp:
         hid = np.tanh(np.matmul(x, w1) + b1[:, None, :])
         return np.matmul(hid, w2) + b2[:, None, :]
 
-    def loss_grad(self, theta: FloatArray, x: FloatArray, y: IntArray) -> tuple[FloatArray, FloatArray]:
+    def loss_grad(
+        self, theta: FloatArray, x: FloatArray, y: IntArray
+    ) -> tuple[FloatArray, FloatArray]:
         """Mean cross-entropy (n,) and its gradient (n, size) for per-model batches.
 
         Args:
@@ -132,16 +136,18 @@ class Mlp:
         dh = np.matmul(dz, w2.transpose(0, 2, 1)) * (1.0 - hid**2)
         g_w1 = np.matmul(x.transpose(0, 2, 1), dh)
         g_b1 = dh.sum(axis=1)
-        grad = np.concatenate(
-            [g_w1.reshape(n, -1), g_b1, g_w2.reshape(n, -1), g_b2], axis=1
-        )
+        grad = np.concatenate([g_w1.reshape(n, -1), g_b1, g_w2.reshape(n, -1), g_b2], axis=1)
         return loss, grad
 
-    def evaluate(self, theta: FloatArray, x: FloatArray, y: IntArray) -> tuple[FloatArray, FloatArray]:
+    def evaluate(
+        self, theta: FloatArray, x: FloatArray, y: IntArray
+    ) -> tuple[FloatArray, FloatArray]:
         """Per-model test (accuracy, mean cross-entropy), each (n,)."""
         z = self.logits(theta, x)
         acc = (z.argmax(axis=-1) == y[None, :]).mean(axis=1)
         z = z - z.max(axis=-1, keepdims=True)
         logp = z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-        loss = -np.take_along_axis(logp, np.broadcast_to(y[None, :, None], (z.shape[0], y.size, 1)), -1)
+        loss = -np.take_along_axis(
+            logp, np.broadcast_to(y[None, :, None], (z.shape[0], y.size, 1)), -1
+        )
         return acc, loss[..., 0].mean(axis=1)

@@ -205,6 +205,8 @@ class RouteGossip:
     Args:
         node: a started node (loop thread only; every method runs on it).
         names: peer ids in schedule order; ``names.index(node.peer_id)`` is this peer.
+        numel: elements of the flat model, if known now: packets of a partner that
+            starts a round before this peer does are then kept, not dropped.
         chunk_bytes: payload bytes per data packet (a multiple of 4).
         phase_slack: a phase may run this fraction past its planned duration.
         receipt_timeout_s: how long the reliable receipt exchange may take.
@@ -215,6 +217,7 @@ class RouteGossip:
         node: GossipNode,
         names: Sequence[str],
         *,
+        numel: int = 0,
         chunk_bytes: int = 1024,
         phase_slack: float = 0.5,
         receipt_timeout_s: float = 1.0,
@@ -226,7 +229,7 @@ class RouteGossip:
         self.chunk = chunk_bytes // 4
         self.phase_slack, self.receipt_timeout_s = phase_slack, receipt_timeout_s
         self._inbox: dict[tuple[int, int, str], _Inbox] = {}
-        self._numel = 0
+        self._numel = int(numel)
         node.subscribe(KIND_DATA, self._on_data)
         node.subscribe(KIND_RECEIPT, self._on_receipt)
 
@@ -289,8 +292,10 @@ class RouteGossip:
         nchunks = -(-x.size // self.chunk)
         clock, start = self.node.clock, self.node.clock.now()
         rep = CollectiveReport(round=rnd, method="route", chunks_total=nchunks)
-        partners = []
-        for p, (phase, peer) in enumerate(zip(schedule.phases, partner_of(schedule, self.me), strict=True)):
+        partners, heard = [], []
+        for p, (phase, peer) in enumerate(
+            zip(schedule.phases, partner_of(schedule, self.me), strict=True)
+        ):
             if peer is None:
                 continue
             other = self.names[peer]
@@ -303,20 +308,27 @@ class RouteGossip:
             limit = phase.duration_s * (1.0 + self.phase_slack)
             await self._wait(box, lambda b=box: bool(b.got.all()), limit)
             rep.timed_out |= not box.got.all()
-            bitmap = np.packbits(box.got).tobytes()
+            mine = box.got.copy()  # what the receipt says; later arrivals must not count
+            bitmap = np.packbits(mine).tobytes()
             sent = asyncio.ensure_future(
                 self.node.send_reliable(
-                    other, KIND_RECEIPT, {"r": rnd, "p": p}, bitmap, timeout_s=self.receipt_timeout_s
+                    other,
+                    KIND_RECEIPT,
+                    {"r": rnd, "p": p},
+                    bitmap,
+                    timeout_s=self.receipt_timeout_s,
                 )
             )
             await self._wait(box, lambda b=box: b.receipt is not None, self.receipt_timeout_s)
             await sent
-            both = box.got & (box.receipt if box.receipt is not None else False)
+            both = mine & (box.receipt if box.receipt is not None else False)
             for k in np.flatnonzero(both):
                 sl = slice(k * self.chunk, (k + 1) * self.chunk)
                 x[sl] = 0.5 * (x[sl] + box.data[sl])
-            rep.packets_received += int(box.got.sum())
-            rep.packets_lost += int(nchunks - box.got.sum())
+            if mine.any():
+                heard.append(other)
+            rep.packets_received += int(mine.sum())
+            rep.packets_lost += int(nchunks - mine.sum())
             rep.chunks_stale += int(nchunks - both.sum())
             if box.receipt is None:
                 rep.extra["receipts_lost"] = rep.extra.get("receipts_lost", 0.0) + 1.0
@@ -324,7 +336,8 @@ class RouteGossip:
         for key in [k for k in self._inbox if k[0] <= rnd]:
             del self._inbox[key]  # stragglers of this or older rounds
         rep.participants = tuple(sorted({self.node.peer_id, *partners}))
-        rep.contributors = rep.participants if not rep.packets_lost else (self.node.peer_id,)
+        rep.contributors = tuple(sorted({self.node.peer_id, *heard}))
+        rep.missing = tuple(sorted(set(partners) - set(heard)))
         expected = rep.packets_received + rep.packets_lost
         rep.delivered_fraction = rep.packets_received / expected if expected else 1.0
         rep.elapsed_s = clock.now() - start

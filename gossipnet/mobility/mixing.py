@@ -36,9 +36,7 @@ IntArray = np.ndarray
 BoolArray = np.ndarray
 
 
-def metropolis_weights(
-    n: int, edges: IntArray, delivered: BoolArray | None = None
-) -> FloatArray:
+def metropolis_weights(n: int, edges: IntArray, delivered: BoolArray | None = None) -> FloatArray:
     """Metropolis-Hastings weights W (n, n) on an undirected edge list.
 
     ``W_ij = 1 / (1 + max(deg_i, deg_j))`` with degrees of the *planned* graph, which

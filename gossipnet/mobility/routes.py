@@ -45,7 +45,9 @@ class CityGrid:
 
     def __post_init__(self) -> None:
         if self.blocks_x < 1 or self.blocks_y < 1:
-            raise ValueError(f"a city needs >= 1 block each way, got {self.blocks_x}x{self.blocks_y}")
+            raise ValueError(
+                f"a city needs >= 1 block each way, got {self.blocks_x}x{self.blocks_y}"
+            )
         if not self.block_m > 0:
             raise ValueError(f"block_m must be > 0 metres, got {self.block_m!r}")
 
@@ -115,7 +117,9 @@ class Route:
         times = np.asarray(self.times_s, dtype=np.float64)
         points = np.asarray(self.points_m, dtype=np.float64)
         if times.ndim != 1 or points.shape != (times.size, 2) or times.size == 0:
-            raise ValueError(f"need times (m,) and points (m, 2), got {times.shape}, {points.shape}")
+            raise ValueError(
+                f"need times (m,) and points (m, 2), got {times.shape}, {points.shape}"
+            )
         if np.any(np.diff(times) <= 0):
             raise ValueError("route times must be strictly increasing")
         object.__setattr__(self, "times_s", times)

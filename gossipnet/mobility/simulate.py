@@ -161,7 +161,12 @@ class Fleet:
         return positions([it.shared_route(t0_s, horizon) for it in self.itineraries], t)
 
     def run_transfers(
-        self, pairs: IntArray, start_s: float, deadline_s: float, nbytes: float, rng: np.random.Generator
+        self,
+        pairs: IntArray,
+        start_s: float,
+        deadline_s: float,
+        nbytes: float,
+        rng: np.random.Generator,
     ) -> tuple[np.ndarray, FloatArray]:
         """Actual outcome of transfers started together: (delivered, seconds each used)."""
         pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
@@ -193,7 +198,13 @@ def _half_duplex_phases(n: int, links: IntArray) -> list[IntArray]:
 
 
 def _communicate(
-    fleet: Fleet, strategy: str, x: FloatArray, w: FloatArray, t0: float, rnd: int, rng: np.random.Generator
+    fleet: Fleet,
+    strategy: str,
+    x: FloatArray,
+    w: FloatArray,
+    t0: float,
+    rnd: int,
+    rng: np.random.Generator,
 ) -> tuple[FloatArray, FloatArray, float, int, int]:
     """One communication period; returns new (x, w), seconds used, exchanges tried/delivered."""
     cfg = fleet.config

@@ -180,6 +180,7 @@ class Testbed:
         self.name = f"{_registry.PREFIX}{os.getpid()}x{next(_seq)}"
         self.switch = f"{self.name}-sw"
         net = ipaddress.ip_network(self.config.subnet)
+        pid = os.getpid()
         self.hosts = [
             Host(
                 testbed=self,
@@ -187,7 +188,7 @@ class Testbed:
                 name=f"h{i}",
                 ns=f"{self.name}-h{i}",
                 ip=str(net.network_address + i + 1),
-                mac=f"02:77:{(os.getpid() >> 8) & 0xFF:02x}:{os.getpid() & 0xFF:02x}:00:{i + 1:02x}",
+                mac=f"02:77:{(pid >> 8) & 0xFF:02x}:{pid & 0xFF:02x}:00:{i + 1:02x}",
                 port=f"p{i}",
             )
             for i in range(self.config.hosts)
@@ -220,8 +221,22 @@ class Testbed:
             for h in self.hosts:
                 for other in self.hosts:
                     if other is not h:
-                        run(["ip", "-n", h.ns, "neigh", "replace", other.ip, "lladdr", other.mac,
-                             "dev", HOST_IF, "nud", "permanent"])  # fmt: skip
+                        run(
+                            [
+                                "ip",
+                                "-n",
+                                h.ns,
+                                "neigh",
+                                "replace",
+                                other.ip,
+                                "lladdr",
+                                other.mac,
+                                "dev",
+                                HOST_IF,
+                                "nud",
+                                "permanent",
+                            ]
+                        )
             self._apply_rules()
         except BaseException:
             self.down()
@@ -240,13 +255,46 @@ class Testbed:
     def _add_host(self, h: Host) -> None:
         self._add_ns(h.ns)
         mtu = str(self.config.mtu)
-        run(["ip", "link", "add", HOST_IF, "netns", h.ns, "mtu", mtu, "address", h.mac,
-             "type", "veth", "peer", "name", h.port, "netns", self.switch, "mtu", mtu])  # fmt: skip
+        run(
+            [
+                "ip",
+                "link",
+                "add",
+                HOST_IF,
+                "netns",
+                h.ns,
+                "mtu",
+                mtu,
+                "address",
+                h.mac,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                h.port,
+                "netns",
+                self.switch,
+                "mtu",
+                mtu,
+            ]
+        )
         run(["ip", "-n", self.switch, "link", "set", h.port, "master", BRIDGE, "up"])
         # a static forwarding entry: an unknown (never seen) MAC would be flooded to
         # every port, and each flooded copy meets the loss rules again
-        run(["bridge", "-n", self.switch, "fdb", "replace", h.mac, "dev", h.port, "master",
-             "static"])  # fmt: skip
+        run(
+            [
+                "bridge",
+                "-n",
+                self.switch,
+                "fdb",
+                "replace",
+                h.mac,
+                "dev",
+                h.port,
+                "master",
+                "static",
+            ]
+        )
         # one wire frame per skb: with GSO, TCP hands 64 KB super-packets to the veth and
         # one random drop on the bridge would take out ~45 segments at once (burst loss)
         run(["ip", "-n", h.ns, "link", "set", HOST_IF, "gso_max_segs", "1"])
@@ -303,7 +351,9 @@ class Testbed:
 
     def _switch_interfaces(self) -> list[str]:
         out = run(["ip", "-n", self.switch, "-o", "link", "show"], check=False).stdout
-        names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+        names = [
+            line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line
+        ]
         return [n for n in names if n != "lo"]
 
     def leftovers(self) -> Leftovers:
@@ -319,13 +369,15 @@ class Testbed:
     def child_env(self, host: Host, extra: Mapping[str, str]) -> dict[str, str]:
         """A child's environment: ours, tagged for leftover checks, one torch thread."""
         env = dict(os.environ)
-        env.update({
-            "GNTB_TAG": self.name,
-            "GNTB_HOST": host.name,
-            "GNTB_IP": host.ip,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-        })  # fmt: skip
+        env.update(
+            {
+                "GNTB_TAG": self.name,
+                "GNTB_HOST": host.name,
+                "GNTB_IP": host.ip,
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+            }
+        )
         env.update(extra)
         return env
 

@@ -104,7 +104,9 @@ def udp_source(
     return {"sent": count - errors, "errors": errors, "seconds": time.monotonic() - t0}
 
 
-def tcp_sink(bind_ip: str, port: int, ready_path: str, deadline_s: float = 30.0) -> dict[str, float]:
+def tcp_sink(
+    bind_ip: str, port: int, ready_path: str, deadline_s: float = 30.0
+) -> dict[str, float]:
     """Accept one TCP connection and read it to the end; bytes and seconds."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

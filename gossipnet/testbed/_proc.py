@@ -9,6 +9,7 @@ reads, and the logs survive for the error message after the child is gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import signal
@@ -96,19 +97,15 @@ class HostProcess:
 
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the whole process group (no error if it is gone)."""
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def kill(self, grace_s: float = 0.0) -> None:
         """SIGTERM (when ``grace_s`` > 0) then SIGKILL the group; reap the child."""
         if grace_s > 0 and self._popen.poll() is None:
             self.signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self._popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                pass
         # even after the leader exited, its group may hold forked children
         self.signal(signal.SIGKILL)
         try:

@@ -124,9 +124,8 @@ def processes_in(inodes: set[int], tag: str | None = None) -> list[int]:
             continue
         hit = inode in inodes
         if not hit and marker is not None:
-            with contextlib.suppress(OSError):
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    hit = marker in f.read().split(b"\0")
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as f:
+                hit = marker in f.read().split(b"\0")
         if hit and pid_alive(int(entry)):
             found.append(int(entry))
     return found

@@ -92,8 +92,12 @@ def _expected(tb: Testbed, src: Host, dst: Host) -> float:
 
 
 def _drops(counters: dict[str, int], src: Host, dst: Host) -> int:
-    keys = (f"{src.name} loss-out", f"{src.name} cut-out", f"{dst.name} loss-in",
-            f"{dst.name} cut-in")  # fmt: skip
+    keys = (
+        f"{src.name} loss-out",
+        f"{src.name} cut-out",
+        f"{dst.name} loss-in",
+        f"{dst.name} cut-in",
+    )
     return sum(counters.get(k, 0) for k in keys)
 
 
@@ -113,8 +117,9 @@ def measure_loss(
     (1 - (1 - src loss_out)(1 - dst loss_in), or 1 if either end is cut).
     Datagrams are 1000 bytes: one frame each, like gossipnet's MTU-sized chunks.
     """
-    return measure_links(tb, [(src, dst)], count=count, rate_pps=rate_pps, port=port,
-                         timeout_s=timeout_s)[0]  # fmt: skip
+    return measure_links(
+        tb, [(src, dst)], count=count, rate_pps=rate_pps, port=port, timeout_s=timeout_s
+    )[0]
 
 
 def measure_links(
@@ -143,13 +148,32 @@ def measure_links(
     before = tb.counters()
     buf0 = {d.name: d.snmp().get("Udp", {}).get("RcvbufErrors", 0) for _, d in hosts}
     sinks = [
-        d.start(_probe.udp_sink, d.ip, port + i, str(r), str(dn), count, 0.3, timeout_s,
-                standalone=True, label=f"sink-{s.name}-{d.name}-{port + i}")  # fmt: skip
+        d.start(
+            _probe.udp_sink,
+            d.ip,
+            port + i,
+            str(r),
+            str(dn),
+            count,
+            0.3,
+            timeout_s,
+            standalone=True,
+            label=f"sink-{s.name}-{d.name}-{port + i}",
+        )
         for i, ((s, d), (r, dn)) in enumerate(zip(hosts, marks, strict=True))
     ]
     sources = [
-        s.start(_probe.udp_source, d.ip, port + i, str(r), count, 1000, rate_pps,
-                standalone=True, label=f"source-{s.name}-{d.name}-{port + i}")  # fmt: skip
+        s.start(
+            _probe.udp_source,
+            d.ip,
+            port + i,
+            str(r),
+            count,
+            1000,
+            rate_pps,
+            standalone=True,
+            label=f"source-{s.name}-{d.name}-{port + i}",
+        )
         for i, ((s, d), (r, _)) in enumerate(zip(hosts, marks, strict=True))
     ]
     sent = [task.result(timeout_s) for task in sources]
@@ -163,17 +187,19 @@ def measure_links(
         n = int(snt["sent"])
         low, high = binomial_bounds(n, p) if n else (0.0, 1.0)
         buf1 = d.snmp().get("Udp", {}).get("RcvbufErrors", 0)
-        out.append(LossMeasurement(
-            src=s.name,
-            dst=d.name,
-            expected_rate=p,
-            sent=n,
-            received=int(gt["distinct"]),
-            low=low,
-            high=high,
-            switch_dropped=_drops(after, s, d) - _drops(before, s, d),
-            rcvbuf_errors=buf1 - buf0[d.name],
-        ))  # fmt: skip
+        out.append(
+            LossMeasurement(
+                src=s.name,
+                dst=d.name,
+                expected_rate=p,
+                sent=n,
+                received=int(gt["distinct"]),
+                low=low,
+                high=high,
+                switch_dropped=_drops(after, s, d) - _drops(before, s, d),
+                rcvbuf_errors=buf1 - buf0[d.name],
+            )
+        )
     return out
 
 

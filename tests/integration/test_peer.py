@@ -86,11 +86,6 @@ def test_context_manager_leaves_and_the_others_see_it_at_once(solo: gossipnet.Pe
         guest.alive_peers()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_node.py _on_leave: a departed peer's transport socket is never forgotten "
-    "(ZeroMQ keeps one PUSH socket, an fd, per peer that ever left)",
-)
 def test_join_leave_50_times_leaks_no_threads_or_fds(
     solo: gossipnet.Peer, no_torchrun_env: None
 ) -> None:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -25,15 +26,16 @@ from gossipnet.testbed import (
     unavailable_reason,
 )
 from gossipnet.testbed._registry import netns_inode, processes_in
-from gossipnet.testbed._sys import list_netns
+from gossipnet.testbed._sys import list_netns, pid_alive
 
 REASON = unavailable_reason()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 
 
 def _root_links() -> set[str]:
-    out = subprocess.run(["ip", "-o", "link", "show"], check=True, timeout=10,
-                         capture_output=True, text=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["ip", "-o", "link", "show"], check=True, timeout=10, capture_output=True, text=True
+    ).stdout
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
 
 
@@ -46,7 +48,7 @@ def _assert_gone(tb: Testbed, inodes: set[int], pids: list[int]) -> None:
     assert _ours(tb.name + "-") == []
     assert processes_in(inodes, tb.name) == []
     for pid in pids:
-        assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        assert not pid_alive(pid)
 
 
 def test_hosts_connect_and_teardown_leaves_nothing() -> None:
@@ -57,7 +59,8 @@ def test_hosts_connect_and_teardown_leaves_nothing() -> None:
         assert [h.ip for h in tb.hosts] == ["10.77.0.1", "10.77.0.2", "10.77.0.3"]
         sleeper = tb.hosts[2].popen(["sleep", "600"])
         m = measure_loss(tb, 0, 2, count=1000)
-        assert m.ok and m.received == 1000, m
+        assert m.ok, m
+        assert m.received == 1000, m
         assert _root_links() == before  # nothing was created in the machine's own namespace
         assert tb._switch_interfaces() == ["br0", "p0", "p1", "p2"]
     assert sleeper.poll() is not None
@@ -65,14 +68,21 @@ def test_hosts_connect_and_teardown_leaves_nothing() -> None:
     assert _root_links() == before
 
 
-def test_teardown_after_a_failing_body_kills_everything() -> None:
-    tb = Testbed(hosts=2)
-    with pytest.raises(RuntimeError, match="boom"), tb:
-        inodes = {netns_inode(h.ns) for h in tb.hosts}
+def _failing_run(tb: Testbed, seen: dict[str, Any]) -> None:
+    with tb:
+        seen["inodes"] = {netns_inode(h.ns) for h in tb.hosts}
         procs = [tb.hosts[0].popen(["sleep", "600"]), tb.hosts[1].start(time.sleep, 600)]
+        seen["pids"] = [p.pid for p in procs]
         assert all(p.poll() is None for p in procs)
         raise RuntimeError("boom")
-    _assert_gone(tb, inodes, [p.pid for p in procs])  # type: ignore[arg-type]
+
+
+def test_teardown_after_a_failing_body_kills_everything() -> None:
+    tb = Testbed(hosts=2)
+    seen: dict[str, Any] = {}
+    with pytest.raises(RuntimeError, match="boom"):
+        _failing_run(tb, seen)
+    _assert_gone(tb, seen["inodes"], seen["pids"])
 
 
 _CHILD = """
@@ -118,7 +128,8 @@ def test_measured_loss_matches_the_set_rates() -> None:
         for mode in ("drop", "down"):
             tb.cut(3, mode=mode)
             m = measure_loss(tb, 0, 3, count=300)
-            assert m.received == 0 and m.expected_rate == 1.0, m
+            assert m.received == 0, m
+            assert m.expected_rate == 1.0
             tb.heal(3)
         m = measure_loss(tb, 3, 0, count=1000)
         assert m.received == 1000, m

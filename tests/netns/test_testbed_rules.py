@@ -39,13 +39,15 @@ def test_loss_rules_per_direction_and_extremes() -> None:
     ]
     text = render_ruleset(links)
     assert "h0 loss" not in text  # lossless: counters only
-    assert 'oifname "p1" numgen random mod 1000000 < 50000 counter drop comment "h1 loss-in"' in text
+    rule = 'oifname "p1" numgen random mod 1000000 < 50000 counter drop comment "h1 loss-in"'
+    assert rule in text
     assert 'iifname "p2" counter drop comment "h2 loss-out"' in text  # p = 1: no numgen
     assert 'iifname "p3" counter drop comment "h3 cut-out"' in text
     assert 'oifname "p3" counter drop comment "h3 cut-in"' in text
     assert "h3 loss-out" not in text  # a cut overrides the loss rule
     for h in ("h0", "h1", "h2", "h3"):
-        assert f'"{h} seen-out"' in text and f'"{h} seen-in"' in text
+        assert f'"{h} seen-out"' in text
+        assert f'"{h} seen-in"' in text
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
@@ -59,13 +61,21 @@ def test_counters_parsed_by_comment() -> None:
         "nftables": [
             {"metainfo": {"version": "1.0.6"}},
             {"table": {"family": "bridge", "name": "gntb"}},
-            {"rule": {"comment": "h0 seen-out", "expr": [
-                {"match": {}}, {"counter": {"packets": 12, "bytes": 900}}]}},
-            {"rule": {"comment": "h0 loss-out", "expr": [
-                {"counter": {"packets": 3, "bytes": 9}}, {"drop": None}]}},
+            {
+                "rule": {
+                    "comment": "h0 seen-out",
+                    "expr": [{"match": {}}, {"counter": {"packets": 12, "bytes": 900}}],
+                }
+            },
+            {
+                "rule": {
+                    "comment": "h0 loss-out",
+                    "expr": [{"counter": {"packets": 3, "bytes": 9}}, {"drop": None}],
+                }
+            },
             {"rule": {"expr": [{"counter": {"packets": 1, "bytes": 1}}]}},
         ]
-    }  # fmt: skip
+    }
     assert parse_counters(json.dumps(doc)) == {"h0 seen-out": 12, "h0 loss-out": 3}
 
 
@@ -76,25 +86,27 @@ def test_tbf_arguments() -> None:
     assert args[args.index("latency") + 1] == "50ms"
     assert int(args[args.index("burst") + 1]) == tbf_burst_bytes(20.0, 1500) >= 4 * 1514
     assert tbf_burst_bytes(1000.0, 1500) == 250_000  # 2 ms at 1 Gbit/s
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="> 0"):
         tbf_args("eth0", 0.0, 50.0, 1500)
 
 
 def test_binomial_bounds() -> None:
     assert binomial_bounds(5000, 0.0) == (0.0, 0.5 / 5000)  # lossless: not one packet
     low, high = binomial_bounds(5000, 1.0)
-    assert high == 1.0 and low == pytest.approx(1.0 - 0.5 / 5000)
+    assert high == 1.0
+    assert low == pytest.approx(1.0 - 0.5 / 5000)
     low, high = binomial_bounds(5000, 0.1)
-    assert 0.08 < low < 0.082 and 0.118 < high < 0.12  # 4.5 sigma = 1.9 points
-    with pytest.raises(ValueError):
+    assert 0.08 < low < 0.082  # 4.5 sigma = 1.9 points
+    assert 0.118 < high < 0.12
+    with pytest.raises(ValueError, match="n must be"):
         binomial_bounds(0, 0.1)
 
 
 def test_config_validation() -> None:
     assert TestbedConfig().subnet == "10.77.0.0/24"
-    for bad in ({"hosts": 0}, {"subnet": "8.8.8.0/24"}, {"subnet": "10.77.0.0/16"},
-                {"mtu": 100}):  # fmt: skip
-        with pytest.raises(ValueError):
+    bad_values = ({"hosts": 0}, {"subnet": "8.8.8.0/24"}, {"subnet": "10.77.0.0/16"}, {"mtu": 100})
+    for bad in bad_values:
+        with pytest.raises(ValueError, match="must be"):
             TestbedConfig(**bad)  # type: ignore[arg-type]
 
 

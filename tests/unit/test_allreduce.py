@@ -489,14 +489,6 @@ def test_lost_end_markers_do_not_stall_a_cold_round(
     run_async(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="allreduce.py _wait_phase: with no span history (a fresh engine) the allowance "
-    "is infinite and is not recomputed from the spans of the senders that finish in this "
-    "very phase, so a sender that lost a data packet and its 3 END copies is waited for "
-    "until the call's deadline; the reduce-scatter then uses up the whole deadline and "
-    "the owner's all-gather reaches nobody",
-)
 @pytest.mark.timeout(15)
 def test_lost_end_markers_and_data_do_not_stall_a_cold_round(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config

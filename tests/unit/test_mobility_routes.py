@@ -83,7 +83,9 @@ def test_itineraries_are_deterministic_and_stay_on_streets() -> None:
     city = CityGrid(blocks_x=4, blocks_y=3, block_m=80.0)
 
     def make(seed: int) -> Itinerary:
-        return Itinerary.random(city, TrafficConfig(), np.random.default_rng(seed), duration_s=500.0)
+        return Itinerary.random(
+            city, TrafficConfig(), np.random.default_rng(seed), duration_s=500.0
+        )
 
     one, two, other = make(5), make(5), make(6)
     np.testing.assert_array_equal(one.actual.times_s, two.actual.times_s)
@@ -91,7 +93,8 @@ def test_itineraries_are_deterministic_and_stay_on_streets() -> None:
     assert not np.array_equal(one.points_m[:5], other.points_m[:5])
     step = np.abs(np.diff(one.points_m, axis=0)).sum(axis=1)
     assert set(np.round(step, 6)) <= {0.0, 80.0}  # one block or a stop
-    assert one.points_m.min() >= 0 and one.points_m[:, 0].max() <= 320.0
+    assert one.points_m.min() >= 0
+    assert one.points_m[:, 0].max() <= 320.0
     assert one.actual.times_s[-1] >= 500.0
     longer = one.extended(city, TrafficConfig(), np.random.default_rng(1), 200.0)
     np.testing.assert_array_equal(longer.points_m[: len(one.points_m)], one.points_m)
@@ -111,16 +114,19 @@ def test_shared_route_is_exact_without_traffic_noise_and_starts_at_true_position
     )
     pred = noisy.shared_route(50.0, horizon_s=30.0)
     np.testing.assert_allclose(pred.position(50.0), noisy.actual.position(50.0), atol=1e-9)
-    assert pred.times_s[-1] >= 80.0 and len(pred.times_s) < len(noisy.actual.times_s)
+    assert pred.times_s[-1] >= 80.0
+    assert len(pred.times_s) < len(noisy.actual.times_s)
 
 
 def test_radio_model_shape() -> None:
     radio = RadioModel()
     d = np.linspace(0.0, 200.0, 401)
     rate, p = radio.rate_bytes_per_s(d), radio.delivery(d)
-    assert np.all(np.diff(rate) <= 1e-9) and np.all(np.diff(p) <= 1e-12)
+    assert np.all(np.diff(rate) <= 1e-9)
+    assert np.all(np.diff(p) <= 1e-12)
     assert rate[0] == pytest.approx(radio.peak_rate_bytes_per_s)
-    assert np.all(rate[d > radio.range_m] == 0) and np.all(p[d > radio.range_m] == 0)
+    assert np.all(rate[d > radio.range_m] == 0)
+    assert np.all(p[d > radio.range_m] == 0)
     assert radio.delivery(radio.half_loss_m) == pytest.approx(0.5)
     assert np.all(radio.hazard_per_s(d) >= 0)
 
@@ -129,15 +135,19 @@ def test_exchange_needs_a_long_enough_contact() -> None:
     a, b = crossing_routes()  # in 150 m range for |t - 20| <= 10.6 s
     radio = RadioModel()
     dur_small, p_small = exchange_probability(a, b, radio, 1e6, 15.0)
-    assert dur_small < 5.0 and 0.9 < p_small <= 1.0
+    assert dur_small < 5.0
+    assert 0.9 < p_small <= 1.0
     dur_big, p_big = exchange_probability(a, b, radio, 2e7, 15.0)  # cannot fit in the window
-    assert dur_big == math.inf and p_big == 0.0
+    assert dur_big == math.inf
+    assert p_big == 0.0
     dur_late, p_late = exchange_probability(a, b, radio, 1e6, 29.0)  # contact ends at ~30.6 s
-    assert dur_late == math.inf and p_late == 0.0
+    assert dur_late == math.inf
+    assert p_late == 0.0
     # bigger models take longer and fail more often
     d1, p1 = exchange_probability(a, b, radio, 1e6, 12.0)
     d2, p2 = exchange_probability(a, b, radio, 3e6, 12.0)
-    assert d2 > d1 and p2 < p1
+    assert d2 > d1
+    assert p2 < p1
 
 
 def test_link_table_matches_pairwise_and_static_positions() -> None:

@@ -44,7 +44,9 @@ def test_fiedler_known_graphs(n: int) -> None:
 
 def test_fiedler_is_batched() -> None:
     stack = np.stack([laplacian(4, path(4)), laplacian(4, [(0, 1)]), laplacian(4, [])])
-    np.testing.assert_allclose(fiedler_value(stack), [2 * (1 - np.cos(np.pi / 4)), 0.0, 0.0], atol=1e-12)
+    np.testing.assert_allclose(
+        fiedler_value(stack), [2 * (1 - np.cos(np.pi / 4)), 0.0, 0.0], atol=1e-12
+    )
 
 
 def random_graph(rng: np.random.Generator) -> tuple[int, np.ndarray]:
@@ -85,10 +87,13 @@ def test_edge_colouring_edge_cases() -> None:
 def test_components() -> None:
     labels = components(6, [(0, 1), (1, 2), (4, 5)])
     assert labels[0] == labels[1] == labels[2] != labels[3]
-    assert labels[4] == labels[5] and len(set(labels.tolist())) == 3
+    assert labels[4] == labels[5]
+    assert len(set(labels.tolist())) == 3
 
 
-def city_table(seed: int, *, model_bytes: float, blocks: int, vehicles: int = 20) -> tuple[LinkTable, ScheduleConfig]:
+def city_table(
+    seed: int, *, model_bytes: float, blocks: int, vehicles: int = 20
+) -> tuple[LinkTable, ScheduleConfig]:
     """The link table a route-aware scheduler sees at t = 100 s in a seeded city."""
     cfg = SimConfig(
         vehicles=vehicles,
@@ -112,7 +117,8 @@ def check_schedule(sched: Schedule, config: ScheduleConfig) -> None:
         assert phase.start_s >= end - 1e-9  # phases run one after another
         end = phase.start_s + phase.duration_s
         for e in map(tuple, np.sort(phase.edges, axis=1).tolist()):
-            assert e in feasible and e not in seen  # each feasible link at most once
+            assert e in feasible
+            assert e not in seen
             seen.add(e)
         assert np.all(phase.probability >= config.min_probability)
     assert sched.total_s <= config.budget_s + 1e-9
@@ -170,10 +176,13 @@ def test_schedule_is_deterministic_and_empty_when_nobody_is_in_range() -> None:
     assert len(one.phases) == len(two.phases)
     for a, b in zip(one.phases, two.phases, strict=True):
         np.testing.assert_array_equal(a.edges, b.edges)
-        assert a.start_s == b.start_s and a.duration_s == b.duration_s
+        assert a.start_s == b.start_s
+        assert a.duration_s == b.duration_s
     far = np.arange(3)[:, None, None] * np.array([1000.0, 0.0]) + np.zeros((3, 40, 2))
     empty = plan_schedule(link_table(far, RadioModel(), 1e6, 0.25), config)
-    assert empty.phases == () and empty.total_s == 0.0 and empty.connectivity() == 0.0
+    assert empty.phases == ()
+    assert empty.total_s == 0.0
+    assert empty.connectivity() == 0.0
 
 
 def test_schedule_config_validation() -> None:
