@@ -40,7 +40,8 @@ def _wait_for(paths: list[Path], deadline_s: float) -> Path:
         time.sleep(POLL_S)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically (temporary name, then rename): readers poll."""
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj))
     os.replace(tmp, path)
@@ -132,13 +133,13 @@ class _Bench:
 
     def gl_step(self) -> None:
         self._grads(self.gl_model)
-        params = list(self.gl_model.parameters())
-        flat = self.torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [p.grad for p in self.gl_model.parameters() if p.grad is not None]
+        flat = self.torch.cat([g.reshape(-1) for g in grads])
         self._gl_allreduce(flat)
         offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
         self.gl_opt.step()
         self.gl_opt.zero_grad()
 
@@ -179,7 +180,7 @@ def bench_worker(rank: int, plan: dict[str, Any], ctrl_dir: str) -> dict[str, An
     ctrl = Path(ctrl_dir)
     bench = _Bench(rank, plan)
     ready = time.monotonic() - t0
-    _write_json(ctrl / f"ready-{rank}.json", {"rank": rank, "startup_s": ready})
+    write_json(ctrl / f"ready-{rank}.json", {"rank": rank, "startup_s": ready})
     k = 0
     while True:
         found = _wait_for([ctrl / f"phase-{k}.json", ctrl / "stop"], plan["idle_timeout_s"])
@@ -189,7 +190,7 @@ def bench_worker(rank: int, plan: dict[str, Any], ctrl_dir: str) -> dict[str, An
         result: dict[str, Any] = {"rank": rank, "k": k}
         result["gossipnet"] = bench.gossipnet(phase["gn_reps"])
         result["gloo"] = bench.gloo(phase["gloo_reps"], phase["new_gloo_group"], k == 0)
-        _write_json(ctrl / f"result-{k}-{rank}.json", result)
+        write_json(ctrl / f"result-{k}-{rank}.json", result)
         k += 1
     bench.peer.close()
     return {"rank": rank, "startup_s": ready, "phases": k}

@@ -53,7 +53,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import bench_parser, emit_json
-from _testbed_worker import bench_worker
+from _testbed_worker import bench_worker, write_json
 
 from gossipnet.testbed import Testbed, measure_loss, unavailable_reason
 
@@ -85,7 +85,7 @@ def _args() -> Any:
     q = a.quick
     a.hidden = a.hidden or (512 if q else 1024)
     a.reps = a.reps or (3 if q else 10)
-    a.gloo_reps = a.gloo_reps or (2 if q else 5)
+    a.gloo_reps = a.gloo_reps or (4 if q else 5)
     a.gloo_timeout_s = a.gloo_timeout_s or (4.0 if q else 30.0)
     a.probe_packets = a.probe_packets or (2000 if q else 5000)
     a.chunk_bytes = a.chunk_bytes or chunk_for_mtu(a.mtu)
@@ -137,7 +137,7 @@ def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[
         for loss in a.loss_list:
             tb.set_loss(None, loss)
             phase = {"gn_reps": a.reps, "gloo_reps": a.gloo_reps, "new_gloo_group": new_group}
-            (ctrl / f"phase-{k}.json").write_text(json.dumps(phase))
+            write_json(ctrl / f"phase-{k}.json", phase)  # atomic: workers poll for it
             t0 = time.monotonic()
             paths = [ctrl / f"result-{k}-{r}.json" for r in range(a.hosts)]
             results = _wait_all(tb, tasks, paths, per_phase_s)

@@ -115,6 +115,7 @@ class StepRecord:
 
     rank: int
     step: int
+    round: int  # the collective's round number (the same on every peer in lockstep)
     train_loss: float
     packets_sent: int
     packets_received: int
@@ -362,9 +363,9 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
             loss.backward()
             rep = exchange(step)
             out.put(("step", run, StepRecord(
-                rank, step + 1, float(loss.item()), rep.packets_sent, rep.packets_received,
-                rep.packets_lost, len(rep.contributors), rep.chunks_stale, rep.elapsed_s,
-                time.perf_counter() - t0, rep.timed_out,
+                rank, step + 1, rep.round, float(loss.item()), rep.packets_sent,
+                rep.packets_received, rep.packets_lost, len(rep.contributors), rep.chunks_stale,
+                rep.elapsed_s, time.perf_counter() - t0, rep.timed_out,
             )))  # fmt: skip
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 out.put(("eval", run, EvalRecord(rank, step + 1, evaluate(model, held_out))))

@@ -32,14 +32,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from .averaging.dropcompute import (
-    AutoTau,
-    FixedTau,
-    Normalise,
-    TauPolicy,
-    contribution,
-    should_cut,
-)
+from .averaging.autotau import AutoTau, FixedTau, TauPolicy
+from .averaging.dropcompute import Normalise, contribution, should_cut
 
 if TYPE_CHECKING:
     from .peer import Peer
@@ -261,9 +255,14 @@ class MicrobatchState:
             if self.auto is None:
                 self.auto = AutoTau()
             tau = self.auto
-        if isinstance(tau, AutoTau) and tau.gather is None and tau.world_size == 1:
-            cap = tau.config.history_steps
-            tau.gather = lambda rows: gather_rows(peer, rows, capacity=cap)
+        if isinstance(tau, AutoTau):
+            if tau.owner is None:
+                tau.owner = peer
+                if tau.gather is None and tau.world_size == 1:
+                    cap = tau.config.history_steps
+                    tau.gather = lambda rows: gather_rows(peer, rows, capacity=cap)
+            elif tau.owner is not peer:
+                raise ValueError("this AutoTau already serves another peer; make one per peer")
         if not isinstance(tau, TauPolicy):
             raise ValueError(f"tau must be None, seconds, 'auto' or a TauPolicy, got {tau!r}")
         return tau

@@ -203,7 +203,7 @@ class MoshpitStrategy:
             return None
         me = self.peer.peer_id
         if progress > 0:
-            sources, max_age = None, 5.0  # training under way: fresh state from anyone
+            sources, max_age = None, 0.0  # training under way: state from after we asked
         elif min(others) < me:
             sources, max_age = [min(others)], None  # fresh cluster: the first peer's state
         else:

@@ -119,16 +119,20 @@ class _Progress:
         self.label, self.steps, self.peers = label, steps, peers
         self.stream = stream or sys.stdout
         self.tty = self.stream.isatty()
-        self.t0 = time.monotonic()
+        self.t0 = 0.0
+        self.active = False  # a line is showing that close() must end
         self.lost = self.expected = 0
         self.smooth: float | None = None
         self.next_report = 0
 
     def __call__(self, rec: Any) -> None:
+        if not self.t0:
+            self.t0 = time.monotonic()
+        self.active = True
         self.lost += rec.packets_lost
         self.expected += rec.packets_lost + rec.packets_received
         self.smooth = rec.train_loss if self.smooth is None else (
-            0.95 * self.smooth + 0.05 * rec.train_loss
+            0.9 * self.smooth + 0.1 * rec.train_loss
         )  # fmt: skip
         if rec.rank != 0:
             return
@@ -146,8 +150,9 @@ class _Progress:
             self.next_report = rec.step + max(1, self.steps // 10)
 
     def close(self) -> None:
-        if self.tty:
+        if self.tty and self.active:
             self.stream.write("\n")
+        self.active = False
 
 
 def _write_csv(path: Path, runs: Sequence[Any]) -> None:
@@ -216,7 +221,7 @@ def _plot(path: Path, runs: Sequence[Any]) -> bool:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demo
+    from ._demo import run_demos
 
     try:
         lossy = _demo_config(args)
@@ -224,22 +229,26 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"gossipnet demo: {err}", file=sys.stderr)
         return 2
     configs = [lossy]
-    if args.compare:
+    if args.compare:  # both runs on one set of processes: half the start-up
         configs.insert(0, dataclasses.replace(lossy, loss=0.0, burst=None))
-    runs = []
-    for cfg in configs:
-        bar = None if args.no_progress else _Progress(cfg.label(), cfg.steps, cfg.peers)
-        try:
-            res = run_demo(cfg, bar)
-        except RuntimeError as err:
-            print(f"\ngossipnet demo: {err}", file=sys.stderr)
-            return 1
-        finally:
-            if bar is not None:
-                bar.close()
-        runs.append(res)
+    bars = [_Progress(c.label(), c.steps, c.peers) for c in configs]
+
+    def on_step(run: int, rec: Any) -> None:
+        if run and bars[run - 1].active:
+            bars[run - 1].close()
+        bars[run](rec)
+
+    try:
+        runs = run_demos(configs, None if args.no_progress else on_step)
+    except RuntimeError as err:
+        print(f"\ngossipnet demo: {err}", file=sys.stderr)
+        return 1
+    finally:
+        for bar in bars:
+            bar.close()
+    for res in runs:
         print(
-            f"{cfg.label()}: final eval loss {res.final_eval_loss:.4f} nats/char, "
+            f"{res.config.label()}: final eval loss {res.final_eval_loss:.4f} nats/char, "
             f"perplexity {res.final_ppl:.3f}, packets lost {100 * res.lost_fraction:.1f}%, "
             f"{res.wall_s:.1f} s ({res.startup_s:.1f} s start-up)"
         )

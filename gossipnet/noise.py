@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ._microbatch import MicrobatchLoop
-from .averaging.dropcompute import AutoTau, AutoTauConfig, FixedTau, Normalise
+from .averaging.autotau import AutoTau, AutoTauConfig, FixedTau
+from .averaging.dropcompute import Normalise
 from .clock import FakeClock
 
 __all__ = ("FleetRun", "LogNormalDelay", "NoisePlan", "SlowPeer", "Stall", "simulate_fleet")
@@ -139,6 +140,10 @@ class NoisePlan:
         base_s: a micro-batch's noise-free compute time in seconds.
         seed: RNG seed; one stream per ``(seed, peer, step)``.
         lognormal: heavy-tailed per-micro-batch delay, or None.
+        step_sigma: log-space sigma of a per-(peer, step) slowdown of all of a step's
+            micro-batches (median 1; 0 = none).  Why: a noisy neighbour or a GC pause
+            outlasts one micro-batch, so it does not average out over K as
+            per-micro-batch noise does; the step times get a heavy right tail.
         slow: periodically slow peers.
         stalls: stalled peers.
 
@@ -152,21 +157,26 @@ class NoisePlan:
     base_s: float = 0.01
     seed: int = 0
     lognormal: LogNormalDelay | None = None
+    step_sigma: float = 0.0
     slow: tuple[SlowPeer, ...] = ()
     stalls: tuple[Stall, ...] = ()
 
     def __post_init__(self) -> None:
-        if not self.base_s > 0:
-            raise ValueError(f"NoisePlan.base_s must be > 0 seconds, got {self.base_s!r}")
+        if not self.base_s > 0 or self.step_sigma < 0:
+            raise ValueError("NoisePlan needs base_s > 0 seconds and step_sigma >= 0")
 
     def times(self, peer: int, step: int, m: int) -> np.ndarray:
         """Seconds of micro-batches ``0 .. m-1`` of ``peer`` at ``step`` (float64 ``[m]``)."""
         scale = self.base_s
         for s in (*self.slow, *self.stalls):
             scale *= s.factor_at(peer, step)
-        if self.lognormal is None:
+        if self.lognormal is None and not self.step_sigma:
             return np.full(m, scale)
         rng = np.random.default_rng([self.seed, peer, step])
+        if self.step_sigma:
+            scale *= float(np.exp(rng.normal(0.0, self.step_sigma)))
+        if self.lognormal is None:
+            return np.full(m, scale)
         return scale * self.lognormal.factors(rng, m)
 
     def sample(self, peers: int, steps: int, m: int, *, first_step: int = 0) -> np.ndarray:
@@ -179,7 +189,8 @@ class NoisePlan:
         )
 
     def moments(self) -> tuple[float, float]:
-        """(mean, std) seconds of one micro-batch of an unslowed peer (for the 3.4 model)."""
+        """(mean, std) seconds of one micro-batch of an unslowed peer (for the 3.4 model,
+        which assumes i.i.d. micro-batches: ``step_sigma`` is outside it)."""
         if self.lognormal is None:
             return self.base_s, 0.0
         mean, sd = self.lognormal.moments()

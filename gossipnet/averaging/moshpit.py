@@ -48,7 +48,7 @@ from .._node import Node
 from ..rounds import CollectiveReport
 from ..transport.wire import Kind, Packet
 from ._moshpit_grid import Grid, choose_grid, leader_rank, plan_round
-from .allreduce import MOSHPIT_KINDS, LossyAllReduce
+from .allreduce import MOSHPIT_KINDS, EngineKinds, LossyAllReduce
 
 __all__ = ("MoshpitAverager", "MoshpitConfig", "merge_reports")
 
@@ -103,8 +103,8 @@ class _GroupEngine(LossyAllReduce):
     the leader is the single source of truth.
     """
 
-    def __init__(self, node: Node) -> None:
-        super().__init__(node, tag="mp", kinds=MOSHPIT_KINDS)
+    def __init__(self, node: Node, *, tag: str = "mp", kinds: EngineKinds = MOSHPIT_KINDS) -> None:
+        super().__init__(node, tag=tag, kinds=kinds)
 
     async def run_at(self, r: int, buckets: list[torch.Tensor], **kw: object) -> CollectiveReport:
         # No await between these writes and run() reading them: the round is exactly r.

@@ -11,10 +11,11 @@ retries):
 
 - ``man``: the client asks for a manifest; the server answers with its latest
   *snapshot*: size, chunk size, a BLAKE2b-128 digest per chunk and a
-  BLAKE2b-256 of the whole.  A snapshot older than the client accepts (or
-  none) is answered ``wait`` and raises :attr:`StateSync.wanted`, so the
-  training thread publishes a fresh one at its next step (the trainer owns
-  the tensors; the loop thread never reads them mid-step).
+  BLAKE2b-256 of the whole.  A snapshot published more than ``max_age_s``
+  before the client's first request (or none) is answered ``wait`` and raises
+  :attr:`StateSync.wanted`, so the training thread publishes a fresh one at
+  its next step (the trainer owns the tensors; the loop thread never reads
+  them mid-step).  ``max_age_s=0`` thus asks for state at most one step old.
 - ``get``: the client asks for a run of chunks of snapshot ``sid``; each
   arrives in its own packet, is checked against its digest, and is written
   in place.  Missing chunks are asked again; a source that makes no progress
@@ -159,6 +160,7 @@ class StateSync:
         self.wanted = False
         self.served_chunks = 0
         self._xfers: dict[str, _Transfer] = {}
+        self._asked: dict[str, float] = {}  # transfer id -> its first manifest request
         node.subscribe(Kind.STATE_REQ, self._on_req)
         node.subscribe(Kind.STATE_DATA, self._on_data)
 
@@ -191,10 +193,15 @@ class StateSync:
         if op == "man":
             max_age = pkt.fields.get("a", -1.0)
             snap = self.snapshots[-1] if self.snapshots else None
+            # age counts back from the client's first request, so max_age 0 means
+            # "published after I asked" (at most one training step old)
+            asked = self._asked.setdefault(xid, self.node.clock.now())
+            while len(self._asked) > 256:
+                del self._asked[next(iter(self._asked))]
             fresh = snap is not None and (
                 not isinstance(max_age, int | float)
                 or max_age < 0
-                or self.node.clock.now() - snap.created <= max_age
+                or snap.created >= asked - max_age
             )
             if snap is None or not fresh:
                 self.wanted = True
@@ -269,8 +276,9 @@ class StateSync:
         Args:
             sources: peers to try in order (default: every alive peer but us).
             timeout_s: bound of the whole download.
-            max_age_s: accept a snapshot at most this old during the first half
-                of the timeout (None: any age), so a joiner gets current state.
+            max_age_s: during the first half of the timeout, accept only a snapshot
+                published at most this long before our first request (0: after it;
+                None: any age), so a joiner gets current state.
         """
         node, clock = self.node, self.node.clock
         t0 = clock.now()

@@ -7,8 +7,9 @@ ALGORITHMS.md section 4 is a reconstruction, the paper was not available):
 - :mod:`.routes`: a grid city, timed-waypoint routes, exact contact windows.
 - :mod:`.radio`: delivery, bandwidth and outage vs distance; per-pair exchange
   times and success probabilities (:func:`link_table`).
-- :mod:`.topology`: Fiedler values, Misra-Gries matchings, the phase schedule that
-  maximises expected algebraic connectivity within a time budget.
+- :mod:`.topology`: Laplacians, Fiedler values, Misra-Gries matchings.
+- :mod:`.schedule`: the phases (matchings, with start times) that maximise expected
+  algebraic connectivity within a round's time budget.
 - :mod:`.mixing`: Metropolis-Hastings, symmetric drops, push-sum, SGP's graph.
 - :mod:`.gossip`: the training-peer side (``strategy="route"``): plan, weights, and a
   round over a node with chunk receipts.
@@ -31,16 +32,9 @@ from .gossip import (
 from .mixing import consensus_error, metropolis_weights, mix_matching, push_sum_step, sgp_out_peers
 from .radio import LinkTable, RadioModel, exchange_probability, link_table
 from .routes import CityGrid, Itinerary, Route, TrafficConfig, contact_windows
+from .schedule import Phase, Schedule, ScheduleConfig, plan_schedule
 from .simulate import STRATEGIES, Fleet, SimConfig, Trace, simulate
-from .topology import (
-    Phase,
-    Schedule,
-    ScheduleConfig,
-    edge_colouring,
-    fiedler_value,
-    laplacian,
-    plan_schedule,
-)
+from .topology import edge_colouring, fiedler_value, laplacian
 
 __all__ = (
     "STRATEGIES",

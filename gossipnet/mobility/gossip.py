@@ -37,7 +37,7 @@ from ..rounds import CollectiveReport
 from .mixing import matching_matrix, metropolis_weights
 from .radio import RadioModel, link_table
 from .routes import Route, positions
-from .topology import Schedule, ScheduleConfig, plan_schedule
+from .schedule import Schedule, ScheduleConfig, plan_schedule
 
 __all__ = (
     "KIND_DATA",
@@ -210,6 +210,7 @@ class RouteGossip:
         chunk_bytes: payload bytes per data packet (a multiple of 4).
         phase_slack: a phase may run this fraction past its planned duration.
         receipt_timeout_s: how long the reliable receipt exchange may take.
+        kinds: the packet kinds for (data, receipts); the wire module may assign its own.
     """
 
     def __init__(
@@ -221,6 +222,7 @@ class RouteGossip:
         chunk_bytes: int = 1024,
         phase_slack: float = 0.5,
         receipt_timeout_s: float = 1.0,
+        kinds: tuple[int, int] = (KIND_DATA, KIND_RECEIPT),
     ) -> None:
         if chunk_bytes < 4 or chunk_bytes % 4:
             raise ValueError(f"chunk_bytes must be a positive multiple of 4, got {chunk_bytes}")
@@ -230,12 +232,13 @@ class RouteGossip:
         self.phase_slack, self.receipt_timeout_s = phase_slack, receipt_timeout_s
         self._inbox: dict[tuple[int, int, str], _Inbox] = {}
         self._numel = int(numel)
-        node.subscribe(KIND_DATA, self._on_data)
-        node.subscribe(KIND_RECEIPT, self._on_receipt)
+        self.kind_data, self.kind_receipt = kinds
+        node.subscribe(self.kind_data, self._on_data)
+        node.subscribe(self.kind_receipt, self._on_receipt)
 
     def close(self) -> None:
-        self.node.unsubscribe(KIND_DATA)
-        self.node.unsubscribe(KIND_RECEIPT)
+        self.node.unsubscribe(self.kind_data)
+        self.node.unsubscribe(self.kind_receipt)
 
     def _box(self, rnd: int, phase: int, src: str) -> _Inbox:
         key = (rnd, phase, src)
@@ -300,39 +303,21 @@ class RouteGossip:
                 continue
             other = self.names[peer]
             partners.append(other)
-            box = self._box(rnd, p, other)
-            for k in range(nchunks):  # send the whole model, chunk by chunk
-                payload = x[k * self.chunk : (k + 1) * self.chunk].tobytes()
-                self.node.send(other, KIND_DATA, {"r": rnd, "p": p, "c": k}, payload)
-            rep.packets_sent += nchunks
-            limit = phase.duration_s * (1.0 + self.phase_slack)
-            await self._wait(box, lambda b=box: bool(b.got.all()), limit)
-            rep.timed_out |= not box.got.all()
-            mine = box.got.copy()  # what the receipt says; later arrivals must not count
-            bitmap = np.packbits(mine).tobytes()
-            sent = asyncio.ensure_future(
-                self.node.send_reliable(
-                    other,
-                    KIND_RECEIPT,
-                    {"r": rnd, "p": p},
-                    bitmap,
-                    timeout_s=self.receipt_timeout_s,
-                )
-            )
-            await self._wait(box, lambda b=box: b.receipt is not None, self.receipt_timeout_s)
-            await sent
-            both = mine & (box.receipt if box.receipt is not None else False)
+            mine, receipt = await self._exchange(rnd, p, other, x, phase.duration_s)
+            both = mine & receipt if receipt is not None else np.zeros_like(mine)
             for k in np.flatnonzero(both):
                 sl = slice(k * self.chunk, (k + 1) * self.chunk)
-                x[sl] = 0.5 * (x[sl] + box.data[sl])
+                x[sl] = 0.5 * (x[sl] + self._inbox[(rnd, p, other)].data[sl])
+            del self._inbox[(rnd, p, other)]
             if mine.any():
                 heard.append(other)
+            rep.timed_out |= not mine.all()
+            rep.packets_sent += nchunks
             rep.packets_received += int(mine.sum())
             rep.packets_lost += int(nchunks - mine.sum())
             rep.chunks_stale += int(nchunks - both.sum())
-            if box.receipt is None:
+            if receipt is None:
                 rep.extra["receipts_lost"] = rep.extra.get("receipts_lost", 0.0) + 1.0
-            del self._inbox[(rnd, p, other)]
         for key in [k for k in self._inbox if k[0] <= rnd]:
             del self._inbox[key]  # stragglers of this or older rounds
         rep.participants = tuple(sorted({self.node.peer_id, *partners}))
@@ -343,3 +328,32 @@ class RouteGossip:
         rep.elapsed_s = clock.now() - start
         log.debug("peer %s round %d: route gossip %s", self.node.peer_id, rnd, rep)
         return rep
+
+    async def _exchange(
+        self, rnd: int, p: int, other: str, x: np.ndarray, duration_s: float
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One phase with ``other``: swap chunks, then receipts.
+
+        Returns (chunks of ``other`` that arrived, as reported in our receipt;
+        ``other``'s receipt of ours, or None if it never came).
+        """
+        box = self._box(rnd, p, other)
+        nchunks = len(box.got)
+        for k in range(nchunks):  # the whole model, chunk by chunk
+            payload = x[k * self.chunk : (k + 1) * self.chunk].tobytes()
+            self.node.send(other, self.kind_data, {"r": rnd, "p": p, "c": k}, payload)
+        limit = duration_s * (1.0 + self.phase_slack)
+        await self._wait(box, lambda: bool(box.got.all()), limit)
+        mine = box.got.copy()  # what our receipt says; later arrivals must not count
+        sent = asyncio.ensure_future(
+            self.node.send_reliable(
+                other,
+                self.kind_receipt,
+                {"r": rnd, "p": p},
+                np.packbits(mine).tobytes(),
+                timeout_s=self.receipt_timeout_s,
+            )
+        )
+        await self._wait(box, lambda: box.receipt is not None, self.receipt_timeout_s)
+        await sent
+        return mine, box.receipt

@@ -219,7 +219,7 @@ def _trips(
     duration_s: float,
 ) -> tuple[FloatArray, FloatArray, FloatArray]:
     """Waypoints after ``start_m``, their nominal and actual segment durations."""
-    node = (int(round(start_m[0] / city.block_m)), int(round(start_m[1] / city.block_m)))
+    node = (round(float(start_m[0]) / city.block_m), round(float(start_m[1]) / city.block_m))
     points, nominal, total = [], [], 0.0
     while total < duration_s:
         speed = rng.uniform(traffic.min_speed_mps, traffic.max_speed_mps)

@@ -147,9 +147,9 @@ class _Objective:
         self.lam = np.zeros(len(self.blocks))
         self.parts = np.array([len(idx) for idx in self.blocks], dtype=np.int64)
         self.cluster = np.arange(n)  # S-cluster label of each vertex
+        self.total = 0.0  # the objective: kept up to date by add()
 
-    @property
-    def total(self) -> float:
+    def _total(self) -> float:
         size = np.array([len(b) for b in self.blocks], dtype=np.float64)
         merged = (size - self.parts) / np.maximum(size - 1, 1)
         return float(np.sum(size / self.n * (self.lam + self.mu * merged)))
@@ -166,6 +166,7 @@ class _Objective:
         )
         twin.lap, twin.lam = list(self.lap), self.lam.copy()
         twin.parts, twin.cluster = self.parts.copy(), self.cluster.copy()
+        twin.total = self.total
         return twin
 
     def _delta_lap(self, comp: int, edges: IntArray, probs: FloatArray) -> FloatArray:
@@ -182,7 +183,7 @@ class _Objective:
                 gain[k] += size / self.n * self.mu * joined / max(size - 1, 1)
                 if self.parts[comp] - joined == 1:
                     solve.setdefault(comp, []).append(k)
-            for comp in np.unique(self.comp[edges[:, 0]]).tolist():
+            for comp in set(self.comp[edges[:, 0]].tolist()):
                 if self.parts[comp] == 1:  # already joined: lambda2 grows with every link
                     solve.setdefault(comp, []).append(k)
         for comp, ks in solve.items():
@@ -195,10 +196,11 @@ class _Objective:
         for comp, joined in _joins(self.cluster, self.comp, edges).items():
             self.parts[comp] -= joined
         self.cluster = _relabel(self.cluster, edges)
-        for comp in np.unique(self.comp[edges[:, 0]]).tolist():
+        for comp in set(self.comp[edges[:, 0]].tolist()):
             self.lap[comp] = self.lap[comp] + self._delta_lap(comp, edges, probs)
             if self.parts[comp] == 1:
                 self.lam[comp] = float(fiedler_value(self.lap[comp]))
+        self.total = self._total()
 
 
 def _joins(cluster: IntArray, comp: IntArray, edges: IntArray) -> dict[int, int]:
@@ -221,13 +223,12 @@ def _joins(cluster: IntArray, comp: IntArray, edges: IntArray) -> dict[int, int]
 
 def _relabel(cluster: IntArray, edges: IntArray) -> IntArray:
     """Cluster labels after adding ``edges`` (each cluster labelled by its smallest member)."""
-    n = len(cluster)
-    extra = np.stack([cluster[edges[:, 0]], cluster[edges[:, 1]]], axis=1)
-    own = np.stack([np.arange(n), cluster], axis=1)
-    labels = components(n, np.concatenate([own, extra]))
-    first = np.full(labels.max() + 1, n)
-    np.minimum.at(first, labels, np.arange(n))
-    return first[labels]
+    out = cluster.copy()
+    for a, b in edges.tolist():
+        ra, rb = out[a], out[b]
+        if ra != rb:
+            out[out == max(ra, rb)] = min(ra, rb)
+    return out
 
 
 #: Phase-length caps tried for each matching, as fractions of the budget: a matching
@@ -240,17 +241,25 @@ def _candidates(
 ) -> list[tuple[int, IntArray, FloatArray, float]]:
     """(matching, its edges kept, their probabilities, phase seconds) if started at ``step``."""
     start = step * table.dt_s
+    sizes = np.array([len(e) for e in matchings])
+    if not sizes.sum():
+        return []
+    owner = np.repeat(np.arange(len(matchings)), sizes)
+    offset = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    at = rows[np.concatenate(matchings)]
+    dur, prob = table.duration_s[at, step], table.probability[at, step]
+    ok = (prob >= config.min_probability) & (start + dur <= config.budget_s)
+    seen = np.zeros(len(matchings), dtype=np.int64)
     out = []
-    for m, e in enumerate(matchings):
-        dur = table.duration_s[rows[e], step]
-        prob = table.probability[rows[e], step]
-        ok = (prob >= config.min_probability) & (start + dur <= config.budget_s)
-        seen = 0
-        for cap in _CAPS:
-            sel = ok & (dur <= cap * config.budget_s)
-            if sel.sum() > seen:
-                seen = int(sel.sum())
-                out.append((m, np.flatnonzero(sel), prob[sel], float(dur[sel].max())))
+    for cap in _CAPS:  # one candidate per (matching, cap) that adds links
+        sel = ok & (dur <= cap * config.budget_s)
+        count = np.bincount(owner[sel], minlength=len(matchings))
+        for m in np.flatnonzero(count > seen).tolist():
+            idx = np.flatnonzero(sel[offset[m] : offset[m] + sizes[m]])
+            part = offset[m] + idx
+            out.append((m, idx, prob[part], float(dur[part].max())))
+        seen = np.maximum(seen, count)
+    out.sort(key=lambda c: (c[0], len(c[1])))  # by matching, shortest cap first
     return out
 
 

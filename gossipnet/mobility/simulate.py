@@ -6,16 +6,18 @@ this is a reconstruction).  Every round each vehicle trains locally for
 ``compute_s`` simulated seconds while it keeps driving, then the fleet communicates
 under one of these strategies:
 
-``route``        shared routes predict distances over the round; the topology module
-                 picks phases (matchings) by lambda2 gain per second, each started
-                 when its links will still be in contact (RoADTrain, reconstructed).
+``route``        shared routes predict distances over the round; the schedule module
+                 picks the phases (matchings) with the largest expected algebraic
+                 connectivity within the budget, each started when its links will
+                 still be in contact (RoADTrain, reconstructed).
 ``loss_aware``   the same choice from *current* distances held fixed: it knows each
                  link's reliability now but not where the vehicles are going.
 ``all_in_range`` every pair in range now exchanges, one matching after another
                  (Metropolis gossip with all neighbours), however long that takes.
 ``random``       one random perfect matching over the whole fleet (random gossip).
 ``sgp``          Stochastic Gradient Push: push-sum to ``i + 2^e mod n`` (SGP's
-                 directed exponential graph), one out-peer per round.
+                 directed exponential graph), one out-peer per round; the local step
+                 is taken on z = x / w, as in the authors' code.
 
 Exchanges succeed or fail by the radio model on the vehicles' *actual* trajectories,
 which differ from the shared routes by traffic noise.  Symmetric strategies skip a
@@ -36,7 +38,8 @@ from ._learning import Mlp, make_dataset
 from .mixing import consensus_error, mix_matching, push_sum_step, sgp_out_peers
 from .radio import RadioModel, link_table, static_positions
 from .routes import CityGrid, Itinerary, TrafficConfig, positions
-from .topology import ScheduleConfig, edge_colouring, plan_schedule
+from .schedule import ScheduleConfig, plan_schedule
+from .topology import edge_colouring
 
 __all__ = ("STRATEGIES", "Fleet", "SimConfig", "Trace", "simulate")
 
@@ -112,10 +115,14 @@ class Trace:
         return float(self.time_s[hit[0]]) if hit.size else math.inf
 
     def rounds_to_consensus(self, error: float) -> float:
-        """First round whose consensus error is <= ``error`` after the first rise; inf if none."""
-        peak = int(np.argmax(self.consensus))
-        hit = np.flatnonzero(self.consensus[peak:] <= error)
-        return float(peak + hit[0] + 1) if hit.size else math.inf
+        """First round whose consensus error is <= ``error``; inf if none."""
+        hit = np.flatnonzero(self.consensus <= error)
+        return float(hit[0] + 1) if hit.size else math.inf
+
+    def seconds_to_consensus(self, error: float) -> float:
+        """Simulated seconds until the consensus error is <= ``error``; inf if never."""
+        hit = np.flatnonzero(self.consensus <= error)
+        return float(self.time_s[hit[0]]) if hit.size else math.inf
 
 
 class Fleet:
@@ -197,6 +204,32 @@ def _half_duplex_phases(n: int, links: IntArray) -> list[IntArray]:
     return phases
 
 
+def _planned(
+    fleet: Fleet, use_routes: bool, x: FloatArray, t0: float, rng: np.random.Generator
+) -> tuple[FloatArray, float, int, int]:
+    """A scheduled period: plan phases from predicted (or frozen) positions, then run them.
+
+    Each phase gets its planned length plus ``phase_slack``; a transfer not done by
+    then fails.  Returns new x, seconds used, exchanges tried and delivered.
+    """
+    cfg = fleet.config
+    swap = 2.0 * cfg.model_bytes
+    steps = math.ceil(cfg.schedule.budget_s / cfg.dt_s) + 1
+    grid = t0 + cfg.dt_s * np.arange(steps)
+    if use_routes:
+        pos = fleet.predicted_positions(t0, grid)
+    else:  # where everyone is now, assumed to stay there
+        pos = static_positions(fleet.actual_positions(grid[:1]), steps)
+    sched = plan_schedule(link_table(pos, cfg.radio, swap, cfg.dt_s), cfg.schedule)
+    used, tried, got = 0.0, 0, 0
+    for ph in sched.phases:
+        slot = ph.duration_s * (1.0 + cfg.phase_slack)
+        ok, _ = fleet.run_transfers(ph.edges, t0 + used, slot, swap, rng)
+        x = mix_matching(x, ph.edges, ok)
+        used, tried, got = used + slot, tried + len(ok), got + int(ok.sum())
+    return x, used, tried, got
+
+
 def _communicate(
     fleet: Fleet,
     strategy: str,
@@ -208,21 +241,9 @@ def _communicate(
 ) -> tuple[FloatArray, FloatArray, float, int, int]:
     """One communication period; returns new (x, w), seconds used, exchanges tried/delivered."""
     cfg = fleet.config
-    n, swap = cfg.vehicles, 2.0 * cfg.model_bytes
+    n = cfg.vehicles
     if strategy in ("route", "loss_aware"):
-        steps = math.ceil(cfg.schedule.budget_s / cfg.dt_s) + 1
-        grid = t0 + cfg.dt_s * np.arange(steps)
-        if strategy == "route":
-            pos = fleet.predicted_positions(t0, grid)
-        else:
-            pos = static_positions(fleet.actual_positions(grid[:1]), steps)
-        sched = plan_schedule(link_table(pos, cfg.radio, swap, cfg.dt_s), cfg.schedule)
-        used, tried, got = 0.0, 0, 0
-        for ph in sched.phases:
-            slot = ph.duration_s * (1.0 + cfg.phase_slack)
-            ok, _ = fleet.run_transfers(ph.edges, t0 + used, slot, swap, rng)
-            x = mix_matching(x, ph.edges, ok)
-            used, tried, got = used + slot, tried + len(ok), got + int(ok.sum())
+        x, used, tried, got = _planned(fleet, strategy == "route", x, t0, rng)
         return x, w, used, tried, got
     if strategy == "sgp":
         links = sgp_out_peers(n, rnd)
@@ -245,18 +266,23 @@ def _communicate(
     else:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     used, tried, got = 0.0, 0, 0
-    for edges in phases:
-        ok, took = fleet.run_transfers(edges, t0 + used, cfg.timeout_s, swap, rng)
+    for edges in phases:  # no plan: each phase lasts until its transfers end or time out
+        ok, took = fleet.run_transfers(edges, t0 + used, cfg.timeout_s, 2.0 * cfg.model_bytes, rng)
         x = mix_matching(x, edges, ok)
         used += float(took.max())
         tried, got = tried + len(ok), got + int(ok.sum())
     return x, w, used, tried, got
 
 
-def simulate(config: SimConfig, strategy: str, fleet: Fleet | None = None) -> Trace:
+def simulate(
+    config: SimConfig, strategy: str, fleet: Fleet | None = None, *, train: bool = True
+) -> Trace:
     """Train the fleet's model by decentralised SGD under ``strategy``; return the trace.
 
-    Deterministic: the same config, strategy and seed give the same trace.
+    With ``train=False`` nobody trains: each vehicle starts from its own random vector
+    and the run measures only how fast gossip averages (consensus error; accuracy
+    and loss are NaN).  The clock still counts ``compute_s`` per round, so both
+    modes time rounds alike.  Deterministic: same config, strategy, seed, same trace.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
@@ -265,6 +291,8 @@ def simulate(config: SimConfig, strategy: str, fleet: Fleet | None = None) -> Tr
     comm_rng = np.random.default_rng([config.seed, 3, zlib.crc32(strategy.encode())])
     batch_rng = np.random.default_rng([config.seed, 4])
     x, w = fleet.theta0.copy(), np.ones(n)
+    if not train:
+        x = np.random.default_rng([config.seed, 5]).standard_normal((n, 8))
     train_x, train_y = np.stack(data.train_x), np.stack(data.train_y)
     rows = np.arange(n)[:, None]
     t = 0.0
@@ -273,7 +301,7 @@ def simulate(config: SimConfig, strategy: str, fleet: Fleet | None = None) -> Tr
         # SGP steps the de-biased z = x / w and turns it back into a numerator, as the
         # authors' code does (unbias -> step -> ps_numerator); w == 1 for the others.
         z = x / w[:, None]
-        for _ in range(config.local_steps):
+        for _ in range(config.local_steps if train else 0):
             idx = batch_rng.integers(train_y.shape[1], size=(n, config.batch))
             _, grad = model.loss_grad(z, train_x[rows, idx], train_y[rows, idx])
             z = z - config.lr * grad
@@ -282,10 +310,9 @@ def simulate(config: SimConfig, strategy: str, fleet: Fleet | None = None) -> Tr
         x, w, used, tried, got = _communicate(fleet, strategy, x, w, t, rnd, comm_rng)
         t += used
         z = x / w[:, None]
-        acc, loss = model.evaluate(z, data.test_x, data.test_y)
-        for key, val in zip(
-            out, (t, acc.mean(), loss.mean(), consensus_error(z), tried, got), strict=True
-        ):
+        acc, loss = model.evaluate(z, data.test_x, data.test_y) if train else (np.nan, np.nan)
+        row = (t, np.mean(acc), np.mean(loss), consensus_error(z), tried, got)
+        for key, val in zip(out, row, strict=True):
             out[key].append(float(val))
     return Trace(
         strategy=strategy,

@@ -21,7 +21,8 @@ Needs root and ``ip``, ``tc``, ``nft`` (``scripts/install-testbed-deps.sh``);
 
 from __future__ import annotations
 
-from ._net import Host, Leftovers, Testbed, TestbedConfig
+from ._host import Host, Leftovers
+from ._net import Testbed, TestbedConfig
 from ._proc import HostProcess, PyTask, WorkerError
 from ._registry import cleanup_stale
 from ._shaping import LinkState

@@ -158,7 +158,9 @@ def train_peer(spec: TrainSpec) -> dict[str, Any]:
         **spec.config,
     )
     out: dict[str, Any] = {"rank": spec.rank, "evals": [], "timed_out": False}
-    totals = {"packets_sent": 0, "packets_lost": 0, "chunks_stale": 0, "chunks_total": 0}
+    totals = dict.fromkeys(
+        ("packets_sent", "packets_received", "packets_lost", "chunks_stale", "chunks_total"), 0
+    )
     step_times: list[float] = []
     try:
         base = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=0.9)

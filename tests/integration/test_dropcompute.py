@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet.averaging.dropcompute import AutoTau, AutoTauConfig
+from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
 from gossipnet.noise import LogNormalDelay, NoisePlan
 
 pytestmark = pytest.mark.timeout(40)

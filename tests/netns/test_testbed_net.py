@@ -7,6 +7,7 @@ runs never clash, and every test asserts that nothing of it is left behind.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -155,3 +156,21 @@ def test_worker_errors_and_deadlines_surface() -> None:
             task.result(timeout_s=0.5)
         assert task.poll() is not None
         assert h.run(["ip", "-o", "addr", "show", "eth0"]).stdout.count("10.77.0.1/24") == 1
+
+
+def test_cli_runs_a_command_in_every_host(capsys: pytest.CaptureFixture[str]) -> None:
+    from gossipnet.testbed import cli
+
+    parser = argparse.ArgumentParser(prog="gossipnet")
+    cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    argv = ["testbed", "--hosts", "2", "--loss", "0.1", "--check", "1000", "--cut", "h1@30"]
+    args = parser.parse_args([*argv, "--", "sh", "-c", "echo {rank} {ip} {n} {peers}"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "0 10.77.0.1 2 udp://10.77.0.1:7000,udp://10.77.0.2:7000" in out
+    assert "1 10.77.0.2 2 " in out
+    assert out.count(" ok; switch dropped") == 2  # both ring links checked
+    assert "cut h1" not in out  # the commands ended before the scheduled cut
+    name = out.split()[1].rstrip(":")
+    assert name.startswith("gntb")
+    assert _ours(name + "-") == []

@@ -6,11 +6,13 @@ then show the kernel doing.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
 
 from gossipnet.testbed import LinkState, TestbedConfig, binomial_bounds
+from gossipnet.testbed import cli as testbed_cli
 from gossipnet.testbed._registry import NAME_RE, _stale_owner
 from gossipnet.testbed._shaping import (
     LOSS_SCALE,
@@ -116,3 +118,33 @@ def test_stale_names_carry_their_owner_pid() -> None:
     assert _stale_owner("gntb123x4-sw", alive=lambda pid: False) == 123
     assert _stale_owner("gntb123x4-sw", alive=lambda pid: True) is None
     assert _stale_owner("myns", alive=lambda pid: False) is None
+
+
+def _cli_parse(argv: list[str]) -> argparse.Namespace:
+    """Parse like ``gossipnet.cli.main`` does: subcommand name in ``args.command``."""
+    parser = argparse.ArgumentParser(prog="gossipnet")
+    sub = parser.add_subparsers(dest="command", required=True)
+    testbed_cli.add_parser(sub)
+    return parser.parse_args(argv)
+
+
+def test_cli_parses_without_clobbering_the_subcommand_name() -> None:
+    args = _cli_parse(["testbed", "--loss", "h1=0.1", "--cut", "h3@5", "--", "echo", "{ip}"])
+    assert args.command == "testbed"
+    assert args.cmd[-2:] == ["echo", "{ip}"]
+    assert testbed_cli._per_host(args.loss, ["h0", "h1"]) == {"h0": 0.0, "h1": 0.1}
+    assert testbed_cli._per_host("0.05", ["h0", "h1"]) == {"h0": 0.05, "h1": 0.05}
+    assert testbed_cli._cuts(args.cut) == [(5.0, "h3")]
+    with pytest.raises(ValueError, match="unknown host"):
+        testbed_cli._per_host("h9=0.1", ["h0"])
+
+
+def test_cli_says_why_it_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gossipnet.testbed as tb_pkg
+
+    monkeypatch.setattr(tb_pkg, "unavailable_reason", lambda: "the testbed needs root")
+    args = _cli_parse(["testbed", "--train"])
+    assert args.func(args) == testbed_cli.EXIT_UNAVAILABLE
+    assert "needs root" in capsys.readouterr().out

@@ -108,7 +108,7 @@ def test_training_under_10pct_kernel_loss_matches_lossless(
     assert abs(statistics.mean(finals) - ref) <= TOLERANCE * ref, (finals, ref)
     # the loss really hit training: ~10% of gossipnet's data packets never arrived
     lost = sum(r["packets_lost"] for r in lossy)
-    expected = lost + sum(r["stats"]["transport"]["recv_packets"] for r in lossy)
+    expected = lost + sum(r["packets_received"] for r in lossy)
     assert 0.05 < lost / expected < 0.15, (lost, expected)
     dropped = sum(
         counters[f"h{i} loss-out"] - frames_before.get(f"h{i} loss-out", 0) for i in range(HOSTS)

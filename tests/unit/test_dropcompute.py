@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 
 from gossipnet._microbatch import MicrobatchLoop, MicrobatchReport
+from gossipnet.averaging.autotau import AutoTau, AutoTauConfig, FixedTau
 from gossipnet.averaging.dropcompute import (
-    AutoTau,
-    AutoTauConfig,
-    FixedTau,
     best_threshold,
     contribution,
     expected_completed,
@@ -330,6 +328,14 @@ def test_slow_peer_and_stall_windows() -> None:
     assert (t[2] == 1).all()
 
 
+def test_step_sigma_slows_whole_steps() -> None:
+    t = NoisePlan(base_s=1.0, step_sigma=0.5, seed=3).sample(2, 500, 4)
+    assert np.all(t == t[..., :1])  # one factor for all of a step's micro-batches
+    logs = np.log(t[..., 0])
+    assert abs(logs.mean()) < 0.05
+    assert logs.std() == pytest.approx(0.5, rel=0.1)
+
+
 # --------------------------------------------------------------------------- 3.4 model
 @pytest.mark.parametrize("n", [4, 8])
 def test_model_matches_monte_carlo_for_moderate_noise(n: int) -> None:
@@ -361,3 +367,20 @@ def test_grid_is_the_authors_range() -> None:
     assert grid[0] == acc[..., 5:].min()
     assert grid[-1] == acc.max()
     assert np.all(np.diff(grid) > 0)
+
+
+def test_one_autotau_serves_one_peer() -> None:
+    """Its timings are one peer's: handing it to a second peer is a mistake."""
+    from gossipnet._microbatch import MicrobatchState
+
+    auto = AutoTau()
+    first, second = object(), object()
+    state = MicrobatchState()
+    assert state._policy(first, auto) is auto  # type: ignore[arg-type]
+    assert auto.gather is not None
+    assert state._policy(first, auto) is auto  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one per peer"):
+        state._policy(second, auto)  # type: ignore[arg-type]
+    assert isinstance(state._policy(first, 0.5), FixedTau)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tau must be"):
+        state._policy(first, "fast")  # type: ignore[arg-type]

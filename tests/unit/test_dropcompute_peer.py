@@ -18,7 +18,7 @@ import torch
 
 import gossipnet
 from gossipnet._microbatch import gather_rows
-from gossipnet.averaging.dropcompute import AutoTau, AutoTauConfig
+from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
 from gossipnet.clock import FakeClock
 from gossipnet.noise import LogNormalDelay, NoisePlan
 from gossipnet.testing import MemoryNetwork

@@ -110,7 +110,7 @@ def test_sgp_graph_is_the_authors_exponential_graph() -> None:
     np.testing.assert_array_equal(links[:, 1], (np.arange(16) + 4) % 16)
     assert sgp_out_peers(16, 5)[0].tolist() == [0, 2]  # rotates through 1, 2, 4, 8
     assert sgp_out_peers(9, 1, peers_per_itr=2)[:2].tolist() == [[0, 3], [0, 6]]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n >= 2"):
         sgp_hops(1)
 
 

@@ -71,11 +71,11 @@ def test_route_validation() -> None:
         Route(np.array([0.0, 0.0]), np.zeros((2, 2)))
     with pytest.raises(ValueError, match="points"):
         Route(np.array([0.0, 1.0]), np.zeros((3, 2)))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="block"):
         CityGrid(blocks_x=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="min_speed_mps"):
         TrafficConfig(min_speed_mps=5.0, max_speed_mps=4.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="range_m"):
         RadioModel(range_m=0.0)
 
 

@@ -38,9 +38,9 @@ def test_every_strategy_runs_and_reports(strategy: str) -> None:
 def test_unknown_strategy_and_bad_config() -> None:
     with pytest.raises(ValueError, match="strategy"):
         simulate(SimConfig(**SMALL), "flood")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="vehicles"):
         SimConfig(vehicles=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="model_bytes"):
         SimConfig(model_bytes=0.0)
 
 
@@ -58,3 +58,13 @@ def test_data_is_non_iid_and_the_model_gradient_is_right() -> None:
         np.testing.assert_allclose(
             (model.loss_grad(bumped, x, y)[0] - loss) / 1e-6, grad[:, k], atol=1e-5
         )
+
+
+def test_averaging_only_mode_mixes_without_training() -> None:
+    cfg = SimConfig(**{**SMALL, "rounds": 12})
+    for strategy in ("route", "sgp"):
+        trace = simulate(cfg, strategy, train=False)
+        assert np.all(np.isnan(trace.accuracy))
+        assert trace.consensus[-1] < trace.consensus[0]
+        assert trace.rounds_to_consensus(trace.consensus[-1]) <= cfg.rounds
+        assert trace.seconds_to_consensus(-1.0) == np.inf

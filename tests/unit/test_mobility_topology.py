@@ -1,4 +1,4 @@
-"""Fiedler values, matchings and the connectivity choice (gossipnet.mobility.topology)."""
+"""Fiedler values, matchings (mobility.topology) and the connectivity choice (.schedule)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,9 @@ import pytest
 
 from gossipnet.mobility.radio import LinkTable, RadioModel, link_table
 from gossipnet.mobility.routes import CityGrid
+from gossipnet.mobility.schedule import Schedule, ScheduleConfig, plan_schedule
 from gossipnet.mobility.simulate import Fleet, SimConfig
-from gossipnet.mobility.topology import (
-    Schedule,
-    ScheduleConfig,
-    components,
-    edge_colouring,
-    fiedler_value,
-    laplacian,
-    plan_schedule,
-)
+from gossipnet.mobility.topology import components, edge_colouring, fiedler_value, laplacian
 
 
 def path(n: int) -> list[tuple[int, int]]:
@@ -186,9 +179,9 @@ def test_schedule_is_deterministic_and_empty_when_nobody_is_in_range() -> None:
 
 
 def test_schedule_config_validation() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="budget_s"):
         ScheduleConfig(budget_s=0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="min_probability"):
         ScheduleConfig(min_probability=1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="merge_weight"):
         ScheduleConfig(merge_weight=-0.1)
