@@ -68,7 +68,7 @@ def run(numel: int, reps: int, group: int) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q, maddrs, barrier = ctx.Queue(), ctx.Queue(), ctx.Barrier(group)
     procs = [
-        ctx.Process(target=_worker, args=(r, numel, reps, group, q, maddrs, barrier), daemon=True)
+        ctx.Process(target=_worker, args=(r, numel, reps, group, q, maddrs, barrier))
         for r in range(group)
     ]
     for p in procs:

@@ -30,7 +30,15 @@ result with the true mean (float64 over all four inputs) and the bench exits
     .venv/bin/python bench/allreduce.py              # 1M and 25M elements
 
 The last stdout line is one JSON object; ``lossless_vs_gloo`` and
-``loss10_vs_lossless`` in it are for the largest size with the default Config.
+``loss10_vs_lossless`` in it are for the largest size with the default Config,
+and ``lossless_vs_gloo_cpu`` is the same ratio in CPU seconds (all threads of
+the 4 processes during the call): on a shared machine wall time stretches with
+other programs' load, CPU time hardly does.
+
+Knobs: ``--chunk-kib 256 1024`` (extra chunk_bytes rows), ``--set KEY=VALUE``
+(a Config override for every gossipnet row), ``--sizes``, ``--reps``, and
+``--profile DIR`` (cProfile, in thread CPU time, of rank 0's caller and
+event-loop threads per gossipnet row; read with ``python -m pstats``).
 """
 
 from __future__ import annotations
@@ -88,10 +96,22 @@ class Row:
     delivered: list[float] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)
     chunks_total: int = 0
-    cut: int = 0  # reps whose report says a phase ended at a deadline
+    cut: int = 0  # reps (warm-up too) whose report says a phase ended at a deadline
+    local_drops: int = 0  # over all reps (warm-up too), see Runner.local_drops
 
 
-Call = Callable[[Any], Any]  # buf -> CollectiveReport | None, in place
+def _no_drops() -> int:
+    return 0
+
+
+@dataclass(frozen=True)
+class Runner:
+    """How a worker drives one case."""
+
+    call: Callable[[Any], Any]  # buf -> CollectiveReport | None, reduces in place
+    #: packets this process dropped before they reached the network (queue full,
+    #: send errors), so far; a 0% loss row that loses packets says where
+    local_drops: Callable[[], int] = _no_drops
 
 
 # ---------------------------------------------------------------------- worker side
@@ -117,7 +137,7 @@ def _true_mean(n: int) -> Any:
 
 
 @contextlib.contextmanager
-def _gloo(rank: int, port: int) -> Iterator[Call]:
+def _gloo(rank: int, port: int) -> Iterator[Runner]:
     import torch.distributed as dist
 
     dist.init_process_group(
@@ -129,7 +149,7 @@ def _gloo(rank: int, port: int) -> Iterator[Call]:
         buf.div_(WORLD)
 
     try:
-        yield call
+        yield Runner(call)
     finally:
         dist.destroy_process_group()
 
@@ -137,7 +157,7 @@ def _gloo(rank: int, port: int) -> Iterator[Call]:
 @contextlib.contextmanager
 def _gossipnet(
     rank: int, case: Case, ports: list[int], timeout_s: float, profile: str | None
-) -> Iterator[Call]:
+) -> Iterator[Runner]:
     """A joined peer's ``all_reduce`` for ``case``; ``profile``: cProfile file stem.
 
     Profiling covers both threads a call uses: the caller (flatten, finite check)
@@ -172,7 +192,13 @@ def _gossipnet(
                 return net.all_reduce([buf], timeout=timeout_s)
             return caller.runcall(net.all_reduce, [buf], timeout=timeout_s)
 
-        yield call
+        def local_drops() -> int:
+            counters = net.stats()["transport"]
+            return sum(
+                v for k, v in counters.items() if k.startswith("dropped") or k == "send_errors"
+            )
+
+        yield Runner(call, local_drops)
         if caller is not None and in_loop is not None and profile is not None:
             net._loop.call(_disable(in_loop), timeout_s=10)
             caller.dump_stats(f"{profile}.caller.prof")
@@ -196,39 +222,43 @@ def worker(rank: int, plan: Plan, ports: list[list[int]], barrier: Any) -> list[
     torch.set_num_threads(1)
     rows = [[Row() for _ in plan.sizes] for _ in plan.cases]
     with contextlib.ExitStack() as stack:
-        calls: list[Call] = []
+        runners: list[Runner] = []
         for case, case_ports in zip(plan.cases, ports, strict=True):
             barrier.wait()
             if case.backend == "gloo":
-                calls.append(stack.enter_context(_gloo(rank, case_ports[0])))
+                runners.append(stack.enter_context(_gloo(rank, case_ports[0])))
                 continue
             profile = None
             if plan.profile_dir and rank == 0:
                 profile = os.path.join(plan.profile_dir, case.name.replace(" ", "_"))
             ctx = _gossipnet(rank, case, case_ports, plan.timeout_s, profile)
-            calls.append(stack.enter_context(ctx))
+            runners.append(stack.enter_context(ctx))
         for j, n in enumerate(plan.sizes):
             src, ref = _inputs(n, rank), _true_mean(n)
             buf = src.clone()
             for i in range(plan.warmup + plan.reps):
-                for case, call, case_rows in zip(plan.cases, calls, rows, strict=True):
+                for case, runner, case_rows in zip(plan.cases, runners, rows, strict=True):
                     check = ref if case.loss == 0 else None
-                    _one_rep(call, buf, src, check, barrier, case_rows[j], timed=i >= plan.warmup)
+                    _one_rep(runner, buf, src, check, barrier, case_rows[j], timed=i >= plan.warmup)
             del src, ref, buf
         barrier.wait()  # nobody closes while another still waits for its packets
     return rows
 
 
 def _one_rep(
-    call: Call, buf: Any, src: Any, ref: Any | None, barrier: Any, row: Row, *, timed: bool
+    runner: Runner, buf: Any, src: Any, ref: Any | None, barrier: Any, row: Row, *, timed: bool
 ) -> None:
     buf.copy_(src)
+    drops = runner.local_drops()
     barrier.wait()
     t0, c0 = time.perf_counter(), time.process_time()
-    report = call(buf)
+    report = runner.call(buf)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    row.local_drops += runner.local_drops() - drops
     if ref is not None:
         row.max_rel_err = max(row.max_rel_err, _rel_err(buf, ref))
+    if report is not None:
+        row.cut += int(report.timed_out)
     if not timed:
         return
     row.times_s.append(dt)
@@ -237,7 +267,6 @@ def _one_rep(
         row.delivered.append(report.delivered_fraction)
         row.stale.append(report.chunks_stale)
         row.chunks_total = report.chunks_total
-        row.cut += int(report.timed_out)
 
 
 # ---------------------------------------------------------------------- parent side
@@ -269,7 +298,8 @@ def _cell(rows: list[Row]) -> dict[str, Any]:
         "delivered_fraction": sum(delivered) / len(delivered) if delivered else None,
         "stale_chunks": sum(stale) / len(stale) if stale else None,  # per peer and call
         "chunks_total": rows[0].chunks_total,
-        "cut": sum(r.cut for r in rows),  # over ranks and timed reps
+        "cut": sum(r.cut for r in rows),  # over ranks and all reps
+        "local_drops": sum(r.local_drops for r in rows),  # over ranks and all reps
     }
 
 
@@ -281,21 +311,23 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
         f"(load average now {load})\n"
         f"time: median over {plan.reps} reps ({plan.warmup} warm-up reps excluded) of the "
         "slowest process's call, timed from a shared barrier's release to its return;\n"
-        "cases interleaved per rep.  deliv/stale: mean per peer and call; cut: calls "
-        "whose phase ended at a deadline; rel err: max|out-mean|/max|mean|;\n"
+        "cases interleaved per rep.  deliv/stale: mean per peer and timed call;\n"
+        "cut: calls whose phase ended at a deadline, drops: packets the senders' own queues "
+        "dropped (both over all reps, warm-up too); rel err: max|out-mean|/max|mean|;\n"
         "cpu s: median over reps of the CPU seconds the 4 processes spent in the call "
         "(all threads; wall time on a crowded machine, CPU time does not stretch)"
     )
     print(f"{'case':30} {'elements':>9} {'median s':>9} {'min s':>8} {'vs gloo':>7} {'cpu s':>7} "
-          f"{'deliv':>6} {'stale':>11} {'cut':>4} {'rel err':>8}")  # fmt: skip
+          f"{'deliv':>6} {'stale':>11} {'cut':>4} {'drops':>6} {'rel err':>8}")  # fmt: skip
     for (name, n), c in cells.items():
         vs = c["median_s"] / cells[("gloo", n)]["median_s"]
         deliv = "" if c["delivered_fraction"] is None else f"{c['delivered_fraction']:.3f}"
         stale = "" if c["stale_chunks"] is None else f"{c['stale_chunks']:.1f}/{c['chunks_total']}"
         err = f"{c['max_rel_err']:.1e}" if "loss" not in name else ""
         cut = "" if name == "gloo" else str(c["cut"])
+        drops = "" if name == "gloo" else str(c["local_drops"])
         print(f"{name:30} {n:>9} {c['median_s']:9.4f} {c['min_s']:8.4f} {vs:7.2f} "
-              f"{c['cpu_s']:7.3f} {deliv:>6} {stale:>11} {cut:>4} {err:>8}")  # fmt: skip
+              f"{c['cpu_s']:7.3f} {deliv:>6} {stale:>11} {cut:>4} {drops:>6} {err:>8}")  # fmt: skip
     summary: dict[str, Any] = {"world": WORLD, "sizes": list(plan.sizes), "per_size": {}}
     lossless = [c.name for c in plan.cases if c.backend == "gossipnet" and c.loss == 0]
     for n in plan.sizes:
@@ -306,6 +338,7 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
         summary["per_size"][str(n)] = {
             "seconds": {c.name: round(cells[(c.name, n)]["median_s"], 5) for c in plan.cases},
             "cpu_seconds": {c.name: round(cells[(c.name, n)]["cpu_s"], 4) for c in plan.cases},
+            "local_drops": {c.name: cells[(c.name, n)]["local_drops"] for c in plan.cases},
             "lossless_vs_gloo": round(base / gloo, 3),
             # CPU seconds do not stretch when other programs load the machine
             "lossless_vs_gloo_cpu": round(
@@ -393,7 +426,8 @@ def main(argv: list[str] | None = None) -> None:
     summary["elapsed_s"] = round(time.perf_counter() - started, 1)
     wrong = [
         f"{name} at {n} elements: max|out-mean|/max|mean| = {c['max_rel_err']:.2e} "
-        f"(> {REL_TOL:g}; {c['cut']} timed calls were cut at a deadline)"
+        f"(> {REL_TOL:g}; {c['cut']} calls were cut at a deadline, "
+        f"{c['local_drops']} packets dropped by the senders' own queues)"
         for (name, n), c in cells.items()
         if "loss" not in name and not c["max_rel_err"] <= REL_TOL
     ]

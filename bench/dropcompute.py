@@ -40,7 +40,7 @@ outside compute) and, where micro-batches are i.i.d., ALGORITHMS.md 3.4's
 analytical model (sqrt(2 ln N) and Blom's order statistic) next to it.
 
     .venv/bin/python bench/dropcompute.py --quick   # heavy, 40 steps, < 60 s
-    .venv/bin/python bench/dropcompute.py           # 4 scenarios, 200 steps (~15 min)
+    .venv/bin/python bench/dropcompute.py           # 4 scenarios, 200 steps (~20 min)
 
 The last stdout line is JSON: ``speedup`` (steady steps/s, dropcompute / sync,
 heavy, N = 8), ``loss_gap`` ((final dropcompute - final sync) / final sync),
@@ -64,7 +64,12 @@ from _common import bench_parser, emit_json, free_ports
 
 import gossipnet
 from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
-from gossipnet.averaging.dropcompute import expected_completed, model_speedup, model_step_time
+from gossipnet.averaging.dropcompute import (
+    Normalise,
+    expected_completed,
+    model_speedup,
+    model_step_time,
+)
 from gossipnet.noise import LogNormalDelay, NoisePlan, SlowPeer, simulate_fleet
 
 K = 8
@@ -180,7 +185,7 @@ class Trainer:
         self.base = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=0.9)
         self.opt = net.optimizer(self.base)
         self.tau = None if mode == "sync" else AutoTau(cfg.auto)
-        self.normalise = "full" if mode == "dropcompute-full" else "completed"
+        self.normalise: Normalise = "full" if mode == "dropcompute-full" else "completed"
         self.gen = torch.Generator().manual_seed(1000 + rank)  # same data in every mode
         self.clock = ModeClock()
 
@@ -196,7 +201,7 @@ class Trainer:
             K,
             tau=self.tau,
             normalise=self.normalise,
-            clock=self.clock,  # type: ignore[arg-type]
+            clock=self.clock,  # type: ignore[arg-type]  # a ModeClock has now() only
         )
         for i, (x, y) in enumerate(batches):
             torch.nn.functional.mse_loss(self.model(x), y).backward()  # mean loss, no 1/K

@@ -5,7 +5,7 @@ the *model*, not the network: at 10% random packet loss a language model should
 end within ~1% of the loss-free perplexity, because gradients are averaged
 over the packets that arrived (unbiased) and parameters a peer missed stay
 stale for a step instead of zeroed.  This bench trains the demo's
-character-level transformer (``gossipnet._demo``: 4 peer processes on loopback
+character-level transformer (``gossipnet._demo``: N peer processes on loopback
 TCP, stdlib sources as text) at several loss rates with the same model, data
 and fault seeds, and reports each run's final held-out perplexity divided by
 the lossless run's (``rel_ppl``; 1.0 = no harm).
@@ -15,29 +15,52 @@ Rows: random (Bernoulli) loss 0, 1, 5, 10, 20, 30% and one bursty plan
 ``--seeds K`` repeats every row with K data seeds and averages ``rel_ppl``
 over seeds (paired: each seed's lossy run against the same seed's lossless one).
 
+``--ideal`` adds a reference column: the same algorithm simulated in this
+process without a network (N model replicas; per chunk, each gradient reaches
+its owner with probability 1-p, the owner steps AdamW on the mean of what
+arrived, each replica receives the new chunk with probability 1-p or keeps its
+stale value).  It separates what loss costs *by design* from what the
+implementation adds: the networked ``rel_ppl`` should match ``ideal``.
+
     .venv/bin/python bench/quality.py --quick      # rates 0 and 10%, 3 peers, < 60 s
     .venv/bin/python bench/quality.py              # all rates, 4 peers, ~5 min on 2 cores
+    .venv/bin/python bench/quality.py --ideal      # + the in-process reference, ~10 min
 
 The last stdout line is one JSON object:
-``{"rel_ppl": {"0.0": 1.0, "0.1": ..., "0.1x8": ...}, "ppl": {...}, ...}``;
+``{"rel_ppl": {"0": 1.0, "0.1": ..., "0.1x8": ...}, "ppl": {...}, ...}``;
 keys are loss rates, ``RATExBURST`` for bursty plans.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, when imported from elsewhere
 
 from _common import bench_parser, emit_json
 
-from gossipnet._demo import DemoConfig, DemoResult, run_demos
+from gossipnet._demo import (
+    CharLM,
+    DemoConfig,
+    DemoResult,
+    eval_windows,
+    evaluate,
+    load_corpus,
+    lr_at,
+    run_demos,
+    sample_windows,
+)
 
-FULL_PLANS: tuple[tuple[float, float | None], ...] = (
+Plan = tuple[float, float | None]  # (mean loss rate, mean burst length in packets or None)
+FULL_PLANS: tuple[Plan, ...] = (
     (0.0, None),
     (0.01, None),
     (0.05, None),
@@ -46,7 +69,7 @@ FULL_PLANS: tuple[tuple[float, float | None], ...] = (
     (0.3, None),
     (0.1, 8.0),
 )
-QUICK_PLANS: tuple[tuple[float, float | None], ...] = ((0.0, None), (0.1, None))
+QUICK_PLANS: tuple[Plan, ...] = ((0.0, None), (0.1, None))
 TARGET_REL_PPL_AT_10 = 1.01  # the paper's headline: <= 0.8% at 10% loss (LLaMA-2 7B)
 
 
@@ -55,12 +78,65 @@ def key(loss: float, burst: float | None) -> str:
     return f"{loss:g}" if burst is None else f"{loss:g}x{burst:g}"
 
 
+def ideal_eval_loss(cfg: DemoConfig) -> float:
+    """Final eval loss of the loss-tolerant algorithm simulated without a network.
+
+    Same data, initial model, AdamW and LR schedule as ``gossipnet._demo``; chunks
+    of ``cfg.chunk_bytes`` are owned in contiguous ranges; drops are Bernoulli
+    ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.
+    """
+    torch.set_num_threads(1)
+    train, held = load_corpus(cfg.corpus_bytes)
+    n, span = cfg.peers, len(train) // cfg.peers
+    shards = [train[r * span : (r + 1) * span] for r in range(n)]
+    gens = [torch.Generator().manual_seed(cfg.data_seed * 1000 + r) for r in range(n)]
+    torch.manual_seed(cfg.model_seed)
+    model = CharLM(cfg)
+    params = list(model.parameters())
+    theta = parameters_to_vector(params).detach().repeat(n, 1)  # one row per replica
+    size = theta.shape[1]
+    elems = (cfg.chunk_bytes or 65536) // 4
+    nchunks = math.ceil(size / elems)
+    owner = (torch.arange(nchunks) * n // nchunks).repeat_interleave(elems)[:size]
+    own = torch.arange(n)[:, None] == owner[None, :]  # replica r owns element e
+    m, v = torch.zeros(size), torch.zeros(size)
+    drops = torch.Generator().manual_seed(cfg.seed)
+
+    def arrived() -> torch.Tensor:  # per (replica, element): its chunk's packet arrived
+        ok = torch.rand(n, nchunks, generator=drops) >= cfg.loss
+        return ok.repeat_interleave(elems, dim=1)[:, :size] | own
+
+    for step in range(cfg.steps):
+        grads = torch.empty_like(theta)
+        for r in range(n):
+            vector_to_parameters(theta[r], params)
+            model.zero_grad()
+            model.loss(sample_windows(shards[r], cfg.batch, cfg.context, gens[r])).backward()
+            grads[r] = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+        mask = arrived()  # reduce-scatter: divide by the contributions that arrived
+        g = (grads * mask).sum(0) / mask.sum(0)
+        m.mul_(0.9).add_(g, alpha=0.1)
+        v.mul_(0.999).addcmul_(g, g, value=0.001)
+        t = step + 1
+        new = theta[owner, torch.arange(size)] - lr_at(cfg, step) / (1 - 0.9**t) * m / (
+            (v / (1 - 0.999**t)).sqrt() + 1e-8
+        )
+        theta = torch.where(arrived(), new, theta)  # all-gather: a missed chunk stays stale
+    held_out = eval_windows(held, cfg.eval_windows, cfg.context)
+    losses = []
+    for r in range(n):
+        vector_to_parameters(theta[r], params)
+        losses.append(evaluate(model, held_out))
+    return statistics.fmean(losses)
+
+
 def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--peers", type=int, default=None, help="default 4 (quick: 3)")
     parser.add_argument("--steps", type=int, default=None, help="default 300 (quick: 150)")
     parser.add_argument("--seeds", type=int, default=1, help="data seeds per row")
     parser.add_argument("--strategy", choices=("allreduce", "grads"), default="allreduce")
+    parser.add_argument("--ideal", action="store_true", help="add the in-process reference")
     args = parser.parse_args()
     plans = QUICK_PLANS if args.quick else FULL_PLANS
     base = DemoConfig(
@@ -78,10 +154,29 @@ def main() -> None:
           f"(strategy {base.strategy}), one set of processes", flush=True)  # fmt: skip
     t0 = time.monotonic()
     results = run_demos(cfgs)
-    wall = time.monotonic() - t0
     by_plan: dict[str, list[DemoResult]] = {}
     for res in results:
         by_plan.setdefault(key(res.config.loss, res.config.burst), []).append(res)
+    ideal: dict[str, float] = {}
+    if args.ideal:  # Bernoulli plans only: the simulation has no bursts
+        sims: dict[str, list[float]] = {}
+        for c in cfgs:
+            if c.burst is None:
+                sims.setdefault(key(c.loss, None), []).append(ideal_eval_loss(c))
+        ref = sims[key(0.0, None)]
+        for k, losses in sims.items():  # ppl ratio = exp(loss difference), paired by seed
+            ideal[k] = statistics.fmean(math.exp(a - b) for a, b in zip(losses, ref, strict=True))
+    report(args, base, by_plan, ideal, time.monotonic() - t0)
+
+
+def report(
+    args: object,
+    base: DemoConfig,
+    by_plan: dict[str, list[DemoResult]],
+    ideal: dict[str, float],
+    wall: float,
+) -> None:
+    """Print the table, then the JSON line."""
     lossless = by_plan[key(0.0, None)]
 
     def mean(attr: str, scale: float = 1.0) -> dict[str, float]:
@@ -95,27 +190,27 @@ def main() -> None:
         )
         for k, rs in by_plan.items()
     }
-    lost, loss, ppl, secs = (
-        mean("lost_fraction", 100),
-        mean("final_eval_loss"),
-        mean("final_ppl"),
-        mean("wall_s"),
-    )
-    print(f"\n{'plan':>8} {'lost %':>7} {'eval loss':>10} {'ppl':>8} {'rel_ppl':>8} {'s/run':>6}")
+    lost, loss, ppl = mean("lost_fraction", 100), mean("final_eval_loss"), mean("final_ppl")
+    secs = mean("wall_s")
+    print(f"\n{'plan':>6} {'lost %':>7} {'eval loss':>10} {'ppl':>8} {'rel_ppl':>8} "
+          f"{'ideal':>7} {'s/run':>6}")  # fmt: skip
     for k in by_plan:
-        print(f"{k:>8} {lost[k]:7.2f} {loss[k]:10.4f} {ppl[k]:8.3f} {rel[k]:8.4f} {secs[k]:6.1f}")
+        ref = f"{ideal[k]:7.4f}" if k in ideal else "      -"
+        print(f"{k:>6} {lost[k]:7.2f} {loss[k]:10.4f} {ppl[k]:8.3f} {rel[k]:8.4f} {ref} "
+              f"{secs[k]:6.1f}")  # fmt: skip
     rel10 = rel.get(key(0.1, None), float("nan"))
     print(f"\nrel_ppl at 10% loss: {rel10:.4f} (target <= {TARGET_REL_PPL_AT_10}); "
           f"total {wall:.1f} s", flush=True)  # fmt: skip
     emit_json(
         {
             "bench": "quality",
-            "quick": args.quick,
+            "quick": getattr(args, "quick", False),
             "peers": base.peers,
             "steps": base.steps,
-            "seeds": args.seeds,
+            "seeds": getattr(args, "seeds", 1),
             "strategy": base.strategy,
             "rel_ppl": {k: round(v, 5) for k, v in rel.items()},
+            "ideal_rel_ppl": {k: round(v, 5) for k, v in ideal.items()},
             "ppl": {k: round(v, 4) for k, v in ppl.items()},
             "eval_loss": {k: round(v, 5) for k, v in loss.items()},
             "lost_pct": {k: round(v, 3) for k, v in lost.items()},

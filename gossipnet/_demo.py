@@ -36,7 +36,7 @@ from .peer import Peer, join
 from .rounds import CollectiveReport
 from .transport.faults import FaultPlan, GilbertElliott
 
-__all__ = ("VOCAB", "DemoConfig", "DemoResult", "EvalRecord", "StepRecord", "run_demo", "run_demos")
+__all__ = ("VOCAB", "DemoConfig", "DemoResult", "EvalRecord", "StepRecord", "run_demos")
 
 #: Fixed vocabulary: 0 = unknown byte, then newline, tab and printable ASCII.  Fixed
 #: (not derived from the text) so that every peer and every run agree on token ids.
@@ -54,9 +54,10 @@ class DemoConfig:
     ``loss`` is the mean packet loss rate; with ``burst`` (mean burst length in
     packets) it is Gilbert-Elliott bursty loss instead of independent loss.
     ``strategy``: ``"allreduce"`` = ``net.optimizer`` (sharded step + parameter
-    broadcast); ``"grads"`` = ``loss.backward(); net.all_reduce(grads); base.step()``
-    with a parameter average every ``resync_every`` steps so that replicas whose
-    gradient chunks went stale are pulled back together.
+    broadcast + a resync every ``resync_every`` rounds); ``"grads"`` =
+    ``loss.backward(); net.all_reduce(grads); base.step()``: each peer steps a full
+    replica, and wherever its averaged gradient chunk was lost it steps with its
+    own, so replicas drift apart (nothing pulls them back; compare the two).
     """
 
     peers: int = 4
@@ -292,19 +293,18 @@ def _worker(rank: int, cfgs: list[DemoConfig], inbox: Any, out: Any) -> None:
         raise
 
 
-def _warm_up(net: Peer, cfg: DemoConfig, tries: int = 5) -> None:
-    """Tiny all-reduces until one completes: a start barrier that also brings every
-    outbound connection up before the first real step.
+def _barrier(net: Peer, cfg: DemoConfig) -> None:
+    """One tiny all-reduce: a start (and end) barrier.
 
-    Why: ``join()`` returns once it has *heard* from every peer, but its own
-    ZeroMQ connection to a peer may not be up yet (``IMMEDIATE=1`` then drops
-    the first packets as ``dropped_queue_full``), so the first round could lose
-    a whole phase and run to its timeout.
+    Exactly one on every peer, whatever its outcome: rounds pair the peers'
+    calls by round number, so a peer that made an extra call would pair its
+    step k with the others' step k + 1 for the rest of the run.  Why at the
+    start: ``join()`` returns once it has *heard* from every peer, but its own
+    ZeroMQ connection to a peer may not be up yet, and the first step would
+    lose a whole phase to it.  Why at the end: a peer that leaves while a slower
+    one is still in the last step takes its queued packets with it.
     """
-    probe = torch.zeros(cfg.peers * (cfg.chunk_bytes or 65536) // 4)  # a chunk per peer
-    for _ in range(tries):
-        if not net.all_reduce([probe], timeout=1.0).timed_out:
-            return
+    net.all_reduce([torch.zeros(cfg.peers * (cfg.chunk_bytes or 65536) // 4)], timeout=2.0)
 
 
 def _exchange(net: Peer, cfg: DemoConfig, model: CharLM, base: torch.optim.Optimizer) -> Any:
@@ -315,11 +315,8 @@ def _exchange(net: Peer, cfg: DemoConfig, model: CharLM, base: torch.optim.Optim
     params = list(model.parameters())
 
     def grads_then_step(step: int) -> CollectiveReport:
-        rep = net.all_reduce([p.grad for p in params if p.grad is not None])
+        rep = net.all_reduce([p.grad for p in params])  # type: ignore[misc]
         base.step()
-        if cfg.resync_every and (step + 1) % cfg.resync_every == 0:
-            with torch.no_grad():  # pull replicas together: their stale chunks differ
-                net.all_reduce([p.data for p in params])
         return rep
 
     return grads_then_step
@@ -349,7 +346,7 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
         **overrides,
     ) as net:
         exchange = _exchange(net, cfg, model, base)
-        _warm_up(net, cfg)
+        _barrier(net, cfg)
         out.put(("ready", run, rank, time.monotonic()))
         for step in range(cfg.steps):
             t0 = time.perf_counter()
@@ -369,6 +366,7 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
             )))  # fmt: skip
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 out.put(("eval", run, EvalRecord(rank, step + 1, evaluate(model, held_out))))
+        _barrier(net, cfg)
     out.put(("done", run, rank, time.monotonic()))
 
 
@@ -382,21 +380,6 @@ def free_tcp_addresses(n: int) -> list[str]:
             sock.bind(("127.0.0.1", 0))
             ports.append(sock.getsockname()[1])
     return [f"tcp://127.0.0.1:{p}" for p in ports]
-
-
-def run_demo(
-    cfg: DemoConfig,
-    on_step: Callable[[StepRecord], None] | None = None,
-    *,
-    timeout_s: float | None = None,
-) -> DemoResult:
-    """Train ``cfg`` on ``cfg.peers`` spawned processes; return every record.
-
-    ``on_step`` is called in this process for each peer's step record as it
-    arrives (progress display).  See :func:`run_demos` for failures.
-    """
-    return run_demos([cfg], (lambda _run, rec: on_step(rec)) if on_step else None,
-                     timeout_s=timeout_s)[0]  # fmt: skip
 
 
 def run_demos(

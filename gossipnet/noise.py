@@ -168,8 +168,10 @@ class NoisePlan:
     def times(self, peer: int, step: int, m: int) -> np.ndarray:
         """Seconds of micro-batches ``0 .. m-1`` of ``peer`` at ``step`` (float64 ``[m]``)."""
         scale = self.base_s
-        for s in (*self.slow, *self.stalls):
-            scale *= s.factor_at(peer, step)
+        for slow in self.slow:
+            scale *= slow.factor_at(peer, step)
+        for stall in self.stalls:
+            scale *= stall.factor_at(peer, step)
         if self.lognormal is None and not self.step_sigma:
             return np.full(m, scale)
         rng = np.random.default_rng([self.seed, peer, step])

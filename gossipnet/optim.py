@@ -29,7 +29,7 @@ import torch
 
 from ._moshpit_optim import MoshpitStrategy
 from .averaging.allreduce import LossyAllReduce, OwnedShard
-from .averaging.chunks import FlatBuffer
+from .averaging.chunks import FlatBuffer, all_finite
 from .errors import ConfigError
 from .rounds import CollectiveReport
 
@@ -159,7 +159,7 @@ class GossipOptimizer:
             scale, weight = (mb.grad_scale, mb.weight) if mb is not None else (1.0, 1.0)
             for g in grads if scale != 1.0 else ():
                 g.mul_(scale)
-        if not all(bool(torch.isfinite(g).all()) for g in grads):
+        if not all(all_finite(g) for g in grads):
             log.warning(
                 "peer %s: non-finite gradients at step %d; contributing weight 0",
                 self.peer.peer_id,

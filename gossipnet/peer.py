@@ -24,7 +24,7 @@ from ._loop import LoopThread
 from ._microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
 from ._node import Node
 from .averaging.allreduce import LossyAllReduce
-from .averaging.chunks import FlatBuffer
+from .averaging.chunks import FlatBuffer, all_finite
 from .averaging.dropcompute import Normalise
 from .averaging.moshpit import MoshpitAverager
 from .averaging.statesync import StateSync
@@ -70,13 +70,24 @@ def _torchrun_settings() -> tuple[list[str], str, str, int] | None:
 def _advertise_host(bootstrap: Sequence[str]) -> str | None:
     """The host to advertise when listening on a wildcard address.
 
-    Loopback peers get ``127.0.0.1``; otherwise the host's primary address.
-    Why not the wildcard itself: peers must be able to dial the address we
-    hand out in HELLO and views.
+    Loopback peers get ``127.0.0.1``; otherwise the kernel's source address
+    toward the first bootstrap peer (a connected UDP socket sends nothing).
+    Why not ``gethostbyname(gethostname())``: inside containers and network
+    namespaces it often resolves to 127.0.0.1, which peers cannot dial.
     """
-    hosts = [b.split("://", 1)[-1].rsplit(":", 1)[0] for b in bootstrap]
+    hosts = [b.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]") for b in bootstrap]
     if not hosts or all(h.startswith(_LOOPBACK) for h in hosts):
         return "127.0.0.1"
+    for host in hosts:
+        if host.startswith(_LOOPBACK):
+            continue
+        try:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect((host, 9))
+                return str(probe.getsockname()[0])
+        except OSError:
+            continue
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
@@ -207,7 +218,7 @@ class Peer:
             raise ValueError("all_reduce needs at least one tensor")
         flat = self._flat_for(tensors)
         buckets = flat.flatten(tensors)
-        nonfinite = not all(bool(torch.isfinite(b).all()) for b in buckets)
+        nonfinite = not all(all_finite(b) for b in buckets)
         if nonfinite:
             log.warning(
                 "peer %s: non-finite values in all_reduce input; contributing weight 0 this round",
@@ -284,7 +295,7 @@ class Peer:
             )
         flat = self._flat_for(tensors)
         buckets = flat.flatten(tensors)
-        if not all(bool(torch.isfinite(b).all()) for b in buckets):
+        if not all(all_finite(b) for b in buckets):
             log.warning("peer %s: non-finite values to average; weight 0 this call", self.peer_id)
             for b in buckets:
                 torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)

@@ -40,7 +40,7 @@ import torch
 from .._node import Node
 from ..rounds import CollectiveReport
 from ..transport.wire import DTYPE_CODES, DTYPES, Kind, Packet
-from .chunks import ChunkPlan, ShardMap, as_bytes, from_bytes
+from .chunks import ChunkPlan, ShardMap, all_finite, as_bytes, from_bytes
 
 __all__ = ("ALLREDUCE_KINDS", "MOSHPIT_KINDS", "EngineKinds", "LossyAllReduce", "OwnedShard")
 
@@ -113,11 +113,14 @@ class _Phase:
         self.last[src] = now
 
     def finish(self, src: str, now: float) -> float:
-        """``src``'s END arrived; return its span (first arrival to END)."""
+        """``src`` is complete; return its span per packet (first arrival to END / count).
+
+        Per packet, so a history learned on small tensors still fits large ones.
+        """
         self.arrived(src, now)
         self.done.add(src)
         self.wake.set()
-        return now - self.first[src]
+        return (now - self.first[src]) / max(1, self.received[src])
 
 
 class _Round:
@@ -138,9 +141,9 @@ class _Round:
         self.mode = mode
         self.me = me
         self.participants = participants
-        # A private copy of what we contribute: zero-copy sends may still sit in a
-        # backend queue after the round returns, and the caller will overwrite ``src``.
-        self.src = [b.clone() for b in src]
+        # No private copy: every backend copies (or freezes) mutable frames inside
+        # ``send`` (the Transport contract), so the caller may reuse ``src`` afterwards.
+        self.src = list(src)
         self.dst = list(dst)
         self.plans = [ChunkPlan(int(b.numel()), b.dtype, chunk_bytes) for b in self.src]
         self.maps = [ShardMap(plan, participants) for plan in self.plans]
@@ -297,13 +300,17 @@ class LossyAllReduce:
             # the reduce-scatter may use at most 60% of the bound: the all-gather needs
             # the rest, or a silent dead peer would leave every chunk stale
             rs_deadline = t0 + _RS_SHARE * (deadline - t0)
-            rs_timed_out = not await self._wait_phase(rnd.rs, "rs", rs_deadline)
+            rs_timed_out = not await self._wait_phase(
+                rnd.rs, "rs", rs_deadline, lambda _peer: rnd.expect_rs
+            )
             shards = self._finish_rs(rnd)
             values = on_reduced(shards) if on_reduced else [s.average for s in shards]
             # all-gather: our averaged shards to everyone, then wait for the others'
             rnd.ag.start = clock.now()
             await self._send_ag(rnd, shards, values)
-            ag_timed_out = not await self._wait_phase(rnd.ag, "ag", deadline)
+            ag_timed_out = not await self._wait_phase(
+                rnd.ag, "ag", deadline, lambda peer: self._ag_default(rnd, peer)
+            )
             if repair:
                 ag_timed_out = not await self._repair(rnd, deadline) or ag_timed_out
             return self._report(rnd, clock.now() - t0, rs_timed_out or ag_timed_out)
@@ -350,13 +357,24 @@ class LossyAllReduce:
             span = rnd.maps[b].owned_range(rnd.me)
             wsum = rnd.wsum[b]
             acc = rnd.acc[b]
+            avg = acc
             if len(span):
-                per_elem = wsum.repeat_interleave(plan.chunk_elems)[: len(span)].to(acc.dtype)
-                own = rnd.src[b].narrow(0, span.start, len(span)).to(acc.dtype)
-                # a chunk whose weights sum to 0 keeps our own values: no division by zero
-                avg = torch.where(per_elem > 0, acc / per_elem.clamp_min(1e-300), own)
-            else:
-                avg = acc
+                # one in-place pass: divide each chunk by the weight that arrived for it
+                safe = wsum.to(acc.dtype).clamp_min(1e-30)
+                n_full = len(span) // plan.chunk_elems
+                if n_full:
+                    acc[: n_full * plan.chunk_elems].view(n_full, plan.chunk_elems).div_(
+                        safe[:n_full, None]
+                    )
+                if len(span) > n_full * plan.chunk_elems:
+                    acc[n_full * plan.chunk_elems :].div_(safe[n_full])
+                zero = wsum <= 0
+                if bool(zero.any()):  # no weight arrived: keep our own values, never 0/0
+                    own = rnd.src[b].narrow(0, span.start, len(span))
+                    for c in torch.nonzero(zero).flatten().tolist():
+                        lo = c * plan.chunk_elems
+                        hi = min(lo + plan.chunk_elems, len(span))
+                        acc[lo:hi].copy_(own[lo:hi])
             shards.append(OwnedShard(b, span.start, avg, wsum, rnd.count[b]))
         return shards
 
@@ -396,7 +414,9 @@ class LossyAllReduce:
             for _ in range(END_COPIES):
                 node.send(peer, self.k.ag_end, {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent})
 
-    async def _wait_phase(self, phase: _Phase, name: str, deadline: float) -> bool:
+    async def _wait_phase(
+        self, phase: _Phase, name: str, deadline: float, expected: Callable[[str], int]
+    ) -> bool:
         """Wait until every expected END arrived, or give up; True if complete.
 
         Each sender gets its own learned allowance, counted from its first packet
@@ -409,15 +429,10 @@ class LossyAllReduce:
         call's bound) or until membership declares it dead.
         """
         clock = self.node.clock
-        cfg = self.node.config
         history = self._spans[name]
         while not phase.complete:
             # re-read each pass: senders finishing this very phase teach a cold engine
-            allowance = idle = float("inf")
-            if history:
-                typical = statistics.median(history)
-                allowance = max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * typical)
-                idle = max(cfg.phase_min_wait_s, typical)
+            per_packet = statistics.median(history) if history else float("inf")
             now = clock.now()
             if now >= deadline:
                 return False
@@ -426,7 +441,7 @@ class LossyAllReduce:
             if all(p in phase.first for p in pending):
                 cut_at = min(
                     deadline,
-                    max(max(phase.first[p] + allowance, phase.last[p] + idle) for p in pending),
+                    max(self._cut_time(phase, p, per_packet, expected(p)) for p in pending),
                 )
                 if now >= cut_at:
                     return False
@@ -439,6 +454,16 @@ class LossyAllReduce:
             finally:
                 waiter.cancel()
         return True
+
+    def _cut_time(self, phase: _Phase, peer: str, per_packet: float, expected: int) -> float:
+        """When to stop waiting for ``peer``: ``factor x`` its expected sending time
+        (learned seconds per packet x packets expected) after its first packet, and
+        never while it sent anything within ``phase_min_wait_s``."""
+        cfg = self.node.config
+        allowance = max(
+            cfg.phase_min_wait_s, cfg.phase_deadline_factor * per_packet * max(1, expected)
+        )
+        return max(phase.first[peer] + allowance, phase.last[peer] + cfg.phase_min_wait_s)
 
     async def _repair(self, rnd: _Round, deadline: float) -> bool:
         """Re-request missing all-gather chunks from their owners; True when none is left.
@@ -577,7 +602,7 @@ class LossyAllReduce:
             self.dropped["layout_mismatch"] += 1
             return None
         values = from_bytes(pkt.payload, dtype, count)
-        if not bool(torch.isfinite(values).all()):
+        if not all_finite(values):
             self.dropped["non_finite"] += 1
             return None
         return b, c, values

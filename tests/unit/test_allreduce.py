@@ -458,7 +458,7 @@ def test_lossy_rounds_wait_little_beyond_their_work(
                 if rnd >= 2:
                     waited += [r.elapsed_s for r in reports]
             assert max(waited) <= 5 * cfg.phase_min_wait_s + 0.02, waited
-            assert max(waited) < timeout_s / 10
+            assert max(waited) < timeout_s / 4  # far from sitting out the timeout
 
     run_async(main())
 

@@ -315,4 +315,11 @@ def test_parameters_flatten_without_autograd() -> None:
 def test_public_names_are_pinned() -> None:
     from gossipnet.averaging import chunks
 
-    assert chunks.__all__ == ("ChunkPlan", "FlatBuffer", "ShardMap", "as_bytes", "from_bytes")
+    assert chunks.__all__ == (
+        "ChunkPlan",
+        "FlatBuffer",
+        "ShardMap",
+        "all_finite",
+        "as_bytes",
+        "from_bytes",
+    )

@@ -19,6 +19,7 @@ import torch
 import gossipnet
 from gossipnet._microbatch import gather_rows
 from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
+from gossipnet.averaging.dropcompute import Normalise
 from gossipnet.clock import FakeClock
 from gossipnet.noise import LogNormalDelay, NoisePlan
 from gossipnet.testing import MemoryNetwork
@@ -68,7 +69,7 @@ def grads_of(rank: int) -> torch.Tensor:
 
 
 def one_step(
-    peer: gossipnet.Peer, items: int, tau: float | None, normalise: str
+    peer: gossipnet.Peer, items: int, tau: float | None, normalise: Normalise
 ) -> tuple[torch.Tensor, gossipnet.CollectiveReport]:
     """One step of w <- w - mean grad with loss_m = <w, c_m>, so grad_m = c_m."""
     w = torch.nn.Parameter(torch.zeros(6))
@@ -80,7 +81,7 @@ def one_step(
         max_microbatches=K,
         tau=tau,
         normalise=normalise,
-        clock=clock,  # type: ignore[arg-type]
+        clock=clock,
     ):
         (w * c).sum().backward()  # the micro-batch's mean loss, no 1/K
         clock.advance(1.0)
@@ -94,7 +95,7 @@ DONE = {0: K, 1: 2, 2: 0}
 
 
 @pytest.mark.parametrize("normalise", ["completed", "full"])
-def test_normalisation_is_exact(normalise: str) -> None:
+def test_normalisation_is_exact(normalise: Normalise) -> None:
     def body(rank: int, peer: gossipnet.Peer) -> tuple[torch.Tensor, dict[str, float]]:
         items, tau = SETUP[rank]
         g, rep = one_step(peer, items, tau, normalise)

@@ -146,3 +146,19 @@ def test_mobility_never_imports_the_transport() -> None:
             for name in names:
                 assert "transport" not in name, f"{path.name}: {name}"
                 assert "_node" not in name, f"{path.name}: {name}"
+
+
+def test_public_names_are_pinned() -> None:
+    expected = {
+        "STRATEGIES", "CityGrid", "Fleet", "Itinerary", "LinkTable", "Phase", "RadioModel",
+        "Route", "RouteGossip", "Schedule", "ScheduleConfig", "SimConfig", "Trace",
+        "TrafficConfig", "consensus_error", "contact_windows", "edge_colouring",
+        "exchange_probability", "fiedler_value", "laplacian", "link_table",
+        "metropolis_weights", "mix_matching", "partner_of", "peer_mixing_row", "plan_round",
+        "plan_schedule", "push_sum_step", "radio_link_faults", "round_mixing_matrix",
+        "sgp_out_peers", "simulate",
+    }  # fmt: skip
+    assert isinstance(gossipnet.mobility.__all__, tuple)
+    assert set(gossipnet.mobility.__all__) == expected
+    for name in expected:
+        assert getattr(gossipnet.mobility, name) is not None
