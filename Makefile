@@ -16,7 +16,7 @@ test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: setup
-	for b in bench/*.py; do $(PY) $$b --quick || exit 1; done
+	for b in bench/[a-z]*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis

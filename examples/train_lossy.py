@@ -44,7 +44,7 @@ def batch(text: torch.Tensor, size: int, gen: torch.Generator) -> tuple[torch.Te
 def train(rank: int, addresses: list[str], args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the peers share the machine's cores
     train_text, held_out = load_text()
-    shard = train_text[rank :: args.peers]  # every peer reads its own part of the data
+    shard = train_text.chunk(args.peers)[rank]  # every peer reads its own part of the data
     gen = torch.Generator().manual_seed(rank)
     torch.manual_seed(0)  # the same initial model on every peer
     model = nn.Sequential(
@@ -55,9 +55,9 @@ def train(rank: int, addresses: list[str], args: argparse.Namespace) -> None:
     with gossipnet.join(
         peers=addresses, listen=addresses[rank], secret=b"example", faults=faults
     ) as net:
-        opt = net.optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+        opt = net.optimizer(torch.optim.AdamW(model.parameters(), lr=3e-3))
         for step in range(1, args.steps + 1):
-            x, y = batch(shard, 32, gen)
+            x, y = batch(shard, 64, gen)
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
             loss.backward()
@@ -69,7 +69,8 @@ def train(rank: int, addresses: list[str], args: argparse.Namespace) -> None:
                       f"/{expected} packets  contributors {who}", flush=True)  # fmt: skip
         with torch.no_grad():
             x, y = batch(held_out, 4096, torch.Generator().manual_seed(123))
-            print(f"peer {rank}: held-out loss {F.cross_entropy(model(x), y).item():.3f}")
+            held = F.cross_entropy(model(x), y).item()
+        print(f"peer {rank}: held-out loss {held:.3f} nats/char", flush=True)
 
 
 def free_addresses(n: int) -> list[str]:

@@ -24,4 +24,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   fi
 fi
 "${pip[@]}" -e ".[test,fast]"
+# The network-namespace testbed needs nftables and iproute2 (root only); its tests skip
+# with a reason where they cannot run, so a failure here is not fatal.
+bash scripts/install-testbed-deps.sh || echo "testbed tools not installed; its tests will skip"
 touch "$stamp"

@@ -20,31 +20,35 @@ from gossipnet._demo import DemoConfig, run_demos
 
 pytestmark = pytest.mark.slow
 
-# 3 peers, 60 steps of a 1-block, d=32 model: ~15-25 s on 2 cores, start-up included.
+# 3 peers, 120 steps of a 1-block, d=32 model: ~25 s on 2 busy cores, start-up included.
 SMALL = DemoConfig(
     peers=3,
-    steps=60,
+    steps=120,
     batch=8,
     context=32,
     d_model=32,
     layers=1,
     heads=2,
-    lr=1e-2,
-    warmup_steps=5,
-    eval_every=30,
+    lr=3e-3,
+    warmup_steps=10,
+    eval_every=40,
     eval_windows=128,
     chunk_bytes=4096,
 )
 
-# Tolerance on |final eval loss (10% loss) - final eval loss (lossless)|, nats/char.
-# Measured with SMALL (see the report of bench/quality.py's author): changing only
-# the data seed of a lossless run moves the final eval loss by up to ~0.03 nats
-# (sd ~0.012 over 5 seeds), and 10%-loss runs with different fault seeds land
-# within ~0.02 of the lossless run with the same data seed.  0.06 = five times
-# that sd: a real regression (biased averaging, e.g. dividing by N instead of by
-# the contributions that arrived, or stale parameters never healing) costs far more
-# at this early, steep point of the curve, while honest noise never reaches it.
-TOLERANCE_NATS = 0.06
+# Tolerance on the final eval loss of the 10%-loss run minus the lossless run's,
+# in nats/char.  Measured with SMALL (2 cores, 10 data seeds, fault seeds 7-11):
+# the gap is +0.002 to +0.016 (mean +0.007): by design, since a peer that misses a
+# parameter broadcast computes its next gradient on one-step-stale values.  The
+# same seeds repeated move a lossy run by < 0.001 (which packets a heartbeat
+# shifts), a lossless run not at all; changing the data seed moves a lossless
+# run by ~0.015 (sd).  0.04 is 2.5x the largest gap seen, so honest noise does
+# not fail the test; what it catches is the composition going wrong: e.g. peers
+# whose collectives pair up out of step (a parameter average meeting a gradient
+# average cost +0.8 nats when it happened), or stale chunks that never heal.
+# A gradient bias alone (dividing by N instead of by the contributions that
+# arrived) is largely undone by Adam's normalisation; the unit tests own that.
+TOLERANCE_NATS = 0.04
 
 
 def test_lossy_training_tracks_lossless() -> None:
@@ -63,7 +67,7 @@ def test_lossy_training_tracks_lossless() -> None:
     # bounded drift: the replicas agree closely at the end of the lossy run
     finals = [e.eval_loss for e in lossy.evals if e.step == SMALL.steps]
     assert len(finals) == SMALL.peers
-    assert max(finals) - min(finals) < 0.02
+    assert max(finals) - min(finals) < 0.01  # measured: < 0.0003
 
 
 def test_cli_demo_writes_csv_and_png(tmp_path: Path) -> None:
