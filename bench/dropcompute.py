@@ -379,11 +379,18 @@ def main() -> None:
         real = run_real(n, plans, cfg)
         for s, runs in real.items():
             summary[f"n{n}_{s}"] = summarise(n, s, runs, first)
-        summary[f"n{n}_overhead_s"] = overhead(real["heavy"])
+        summary[f"n{n}_overhead_s"] = oh = overhead(real["heavy"])
         print(
             f"  (N={n}: {time.perf_counter() - t0:.1f} s; sync step time outside compute "
-            f"{summary[f'n{n}_overhead_s'] * 1e3:.1f} ms)"
+            f"{oh * 1e3:.1f} ms)"
         )
+        for s in plans:  # the same fleet without this machine's CPU contention
+            mc = simulate(n, every[s], 200, oh, auto)
+            summary[f"n{n}_{s}"]["speedup_mc"] = mc["speedup_mc"]
+            print(
+                f"  N={n} {s}: Monte-Carlo of the loop, same overhead and tau rule: "
+                f"{mc['speedup_mc']:.2f}x steps/s, drop {mc['drop_mc']:.3f}"
+            )
     print("\nN=64 simulated, seconds (model: ALGORITHMS.md 3.4; mc: Monte-Carlo of the loop)")
     sim_auto = AutoTauConfig(
         warmup_steps=3, window_steps=30, reestimate_every_steps=25, max_drop_rate=0.1
@@ -400,7 +407,9 @@ def main() -> None:
             "loss_gap_full": head["loss_gap_full"],
             "samples_speedup": head["samples_speedup"],
             "time_to_target_ratio": head["time_to_target_ratio"],
+            "speedup_mc": head["speedup_mc"],
             "speedup_n4": summary["n4_heavy"]["speedup"],
+            "speedup_n4_mc": summary["n4_heavy"]["speedup_mc"],
             "loss_gap_n4": summary["n4_heavy"]["loss_gap"],
             "speedup_n64_mc": summary["n64_heavy"]["speedup_mc"],
             "speedup_n64_authors_mc": summary["n64_authors"]["speedup_mc"],

@@ -195,9 +195,9 @@ def _plot(path: Path, runs: Sequence[Any]) -> bool:
     for i, res in enumerate(runs):
         color = f"C{i}"
         steps, train = _mean_by_step(res, lambda r: r.train_loss)
-        k = max(1, len(train) // 30)  # moving average: per-step train loss is noisy
-        smooth = [sum(train[max(0, j - k + 1) : j + 1]) / len(train[max(0, j - k + 1) : j + 1])
-                  for j in range(len(train))]  # fmt: skip
+        h = max(1, len(train) // 60)  # centred moving average: per-step loss is noisy
+        windows = [train[max(0, j - h) : j + h + 1] for j in range(len(train))]
+        smooth = [sum(w) / len(w) for w in windows]
         ax.plot(steps, train, color=color, alpha=0.2, lw=0.8)
         ax.plot(steps, smooth, color=color, lw=1.5, label=f"{res.config.label()} train")
         curve = res.eval_curve()
@@ -336,7 +336,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in COMMANDS.items():
-        cmd.configure(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        fmt = argparse.ArgumentDefaultsHelpFormatter
+        cmd.configure(
+            sub.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=fmt)
+        )
     args = parser.parse_args(argv)
     return COMMANDS[args.command].run(args)
 
