@@ -24,6 +24,7 @@ from typing import Any
 def _worker(
     rank: int, numel: int, reps: int, group: int, q: Any, maddrs: Any, barrier: Any
 ) -> None:
+    mp.set_start_method("fork", force=True)  # hivemind forks its DHT and averager processes
     import hivemind
     import torch
 

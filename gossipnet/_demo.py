@@ -348,7 +348,10 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
         exchange = _exchange(net, cfg, model, base)
         _barrier(net, cfg)
         out.put(("ready", run, rank, time.monotonic()))
+        parent = mp.parent_process()
         for step in range(cfg.steps):
+            if parent is not None and not parent.is_alive():
+                raise SystemExit("the parent process is gone")  # killed: do not linger
             t0 = time.perf_counter()
             for group in base.param_groups:
                 group["lr"] = lr_at(cfg, step)

@@ -9,27 +9,32 @@ geometrically, because a failure only costs its own group.
 Matchmaking (hivemind uses a DHT; gossipnet has only membership views):
 
 1. *Plan*: each peer computes the round's groups from its own view and the
-   round number (pure, no message) and picks its group's leader, the member
-   ranked first by a per-round hash.
-2. *Join*: a follower sends JOIN to its leader (acknowledged, retried) with
-   the seconds it is still willing to wait.  A leader waits for its planned
-   members until all arrived, the dead ones are declared dead, or a learned
-   allowance (``join_wait_factor`` x the usual join spread) passes, never
-   beyond ``matchmaking_timeout_s``.  It also takes joiners it did not plan
-   for (their view differs), up to M members.
+   round number (pure, no message) and ranks its group's members by a
+   per-round hash; the first leads.
+2. *Join*: a follower sends JOIN (acknowledged, retried) to the first-ranked
+   member with the seconds it will wait.  A leader waits for its planned
+   members until all arrived or died, or a learned allowance
+   (``join_wait_factor`` x the usual join spread) after the first one, never
+   past ``matchmaking_timeout_s`` nor past the moment a joiner gives up.  It
+   also takes joiners it did not plan for (their view differs), up to M.
 3. *Confirm*: the leader sends the final member list to every member; only
    that list is ever used, so all members of a group run the all-reduce with
    the same participants, and a peer runs in at most one group per round.
-   Views that disagree resolve within the round: a peer asked to lead while it
-   follows answers with a redirect to its own leader, and redirects only go to
-   peers ranked strictly earlier, so they cannot cycle.  Nobody waits on
-   anyone past a deadline: a lost leader leaves its followers averaging alone
-   (values unchanged) and a listed member that never runs costs exactly its
-   slice (the others keep their own values there): no contribution is ever
-   counted twice or lost from the sum.
-4. *Average*: the loss-tolerant all-reduce (:mod:`.allreduce`) on Moshpit's
-   own packet kinds, with the round number we choose; members missing from
-   the run are simply absent from the weighted mean sum(w x) / sum(w).
+4. *Fail over*: a follower that hears nothing from its leader for a learned
+   while presumes it failed and tries the next-ranked member; a peer whose
+   higher-ranked members all failed leads the rest.  JOINs it receives while
+   still following wait for its own outcome (then: redirect, or lead them).
+   So no single peer's loss stops its group, only its own contribution.
+
+Disagreeing views resolve within the round: a peer asked to lead while it
+follows redirects to its own leader, and redirects only go to peers ranked
+strictly earlier, so they cannot cycle.  Every wait has a deadline on the
+node's clock.  A member that gave up before its list arrived is listed but
+absent: its slice keeps each member's own values (ALGORITHMS.md "a failed
+reducer costs exactly its slice"), so no contribution is ever counted twice
+or lost from the sum.  The group average is the loss-tolerant all-reduce
+(:mod:`.allreduce`) on Moshpit's packet kinds: sum(w x) / sum(w) over the
+members whose packets arrived.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ import torch
 from .._node import Node
 from ..rounds import CollectiveReport
 from ..transport.wire import Kind, Packet
+from ._moshpit_engine import GroupEngine, members_of, merge_reports, wait_any
 from ._moshpit_grid import Grid, choose_grid, leader_rank, plan_round
-from .allreduce import MOSHPIT_KINDS, EngineKinds, LossyAllReduce
 
 __all__ = ("MoshpitAverager", "MoshpitConfig", "merge_reports")
 
@@ -66,8 +71,8 @@ class MoshpitConfig:
     min_fill: smallest acceptable grid fill (ALGORITHMS.md 2.3, 2.6).
     grid: force ``(M, d)`` instead (tests, benches); more peers than M^d raises.
     matchmaking_timeout_s: bound of group assembly in one round.
-    join_min_wait_s / join_wait_factor: a leader waits for missing members
-        ``max(min, factor x median join spread)`` after the first joiner.
+    join_min_wait_s / join_wait_factor: floor and factor of the learned waits
+        (a leader for missing members, a follower for its leader's answer).
     reply_margin_s: time allowed for the member list to reach a member.
     round_timeout_s: bound of a group's all-reduce (None: ``Config.collective_timeout_s``).
     """
@@ -95,29 +100,6 @@ class MoshpitConfig:
             raise ValueError("round_timeout_s must be > 0 or None")
 
 
-class _GroupEngine(LossyAllReduce):
-    """The lossy all-reduce on Moshpit's kinds, run at a round number we choose.
-
-    Why the participant filter: a packet from a peer outside the group's list
-    (a stale or confused view) must never enter the average; the list from
-    the leader is the single source of truth.
-    """
-
-    def __init__(self, node: Node, *, tag: str = "mp", kinds: EngineKinds = MOSHPIT_KINDS) -> None:
-        super().__init__(node, tag=tag, kinds=kinds)
-
-    async def run_at(self, r: int, buckets: list[torch.Tensor], **kw: object) -> CollectiveReport:
-        # No await between these writes and run() reading them: the round is exactly r.
-        self.next_round, self.max_seen = r, -1
-        return await self.run(buckets, **kw)  # type: ignore[arg-type]
-
-    def _dispatch(self, rnd: object, pkt: Packet) -> None:
-        if pkt.src not in rnd.participants:  # type: ignore[attr-defined]
-            self.dropped["not_participant"] += 1
-            return
-        super()._dispatch(rnd, pkt)  # type: ignore[arg-type]
-
-
 @dataclass
 class _Assembly:
     """A leader's group in the making."""
@@ -135,9 +117,12 @@ class _Assembly:
 
 @dataclass
 class _Current:
+    """This peer's matchmaking in round ``t``."""
+
     t: int
-    leader: str
-    assembly: _Assembly | None = None  # set when we lead
+    leader: str  # whom we follow now (ourselves when leading)
+    assembly: _Assembly | None = None  # set once we lead
+    pending: list[tuple[Packet, float]] = field(default_factory=list)  # JOINs while following
 
 
 class MoshpitAverager:
@@ -146,19 +131,20 @@ class MoshpitAverager:
     def __init__(self, node: Node, config: MoshpitConfig | None = None) -> None:
         self.node = node
         self.config = config or MoshpitConfig()
-        self.engine = _GroupEngine(node)
+        self.engine = GroupEngine(node)
         self.next_round = 0
         self.max_seen = -1
         self.last_rounds: list[CollectiveReport] = []
         #: the latest round each peer announced in its heartbeat (0: never averaged)
         self.beacons: dict[str, int] = {}
         self._cur: _Current | None = None
-        self._early: dict[int, list[Packet]] = collections.defaultdict(list)
+        self._cfg = self.config  # the running call's config
+        self._early: dict[int, list[tuple[Packet, float]]] = collections.defaultdict(list)
         self._replies: dict[tuple[int, str], Packet] = {}
         self._reply_wake = asyncio.Event()
         self._spreads: collections.deque[float] = collections.deque(maxlen=_HISTORY)
+        self._latency: collections.deque[float] = collections.deque(maxlen=_HISTORY)
         self._lock = asyncio.Lock()
-        self._cfg = self.config  # the running call's config
         node.subscribe(Kind.MOSH_JOIN, self._on_join)
         node.subscribe(Kind.MOSH_GROUP, self._on_group)
         node.on_heartbeat(self._on_heartbeat)
@@ -190,7 +176,7 @@ class MoshpitAverager:
                 yields the exact global mean.
             weight: this peer's weight in every group mean, >= 0.
             config: overrides :attr:`config` for this call.
-            start_round: first round (tests, benches); default: where the peers are.
+            start_round: first round (tests, benches); default :meth:`_start_round`.
 
         Returns:
             One merged :class:`CollectiveReport` (per-round ones in :attr:`last_rounds`).
@@ -203,9 +189,10 @@ class MoshpitAverager:
             reports: list[CollectiveReport] = []
             todo = rounds
             while todo is None or len(reports) < todo:
-                grid = self.grid_for(len(self.node.alive_peers()), cfg)
                 if todo is None:
-                    todo = grid.dims - t % grid.dims
+                    todo = (
+                        dims := self.grid_for(len(self.node.alive_peers()), cfg).dims
+                    ) - t % dims
                 reports.append(await self._round(t, list(buckets), weight, cfg))
                 t += 1
                 self.next_round = t
@@ -223,9 +210,7 @@ class MoshpitAverager:
         for; one skip puts its calls out of step with everyone's for good.
         """
         dims = self.grid_for(len(self.node.alive_peers()), cfg).dims
-        if self.max_seen >= self.next_round + dims:
-            return self.max_seen
-        return self.next_round
+        return self.max_seen if self.max_seen >= self.next_round + dims else self.next_round
 
     # ------------------------------------------------------------------ one round
     async def _round(
@@ -233,77 +218,79 @@ class MoshpitAverager:
     ) -> CollectiveReport:
         node, clock, me = self.node, self.node.clock, self.node.peer_id
         t0 = clock.now()
-        view = node.alive_peers()
-        grid = self.grid_for(len(view), cfg)
-        plan = plan_round(view, t, seed=node.config.run, grid=grid)
-        leader = plan.leader_of(me)
-        self.node.beacon["mpt"] = t
+        grid = self.grid_for(len(view := node.alive_peers()), cfg)
+        seed = node.config.run
+        ranked = sorted(
+            plan_round(view, t, seed=seed, grid=grid).group_of(me),
+            key=lambda p: leader_rank(seed, t, p),
+        )
+        j = ranked.index(me)
+        node.beacon["mpt"] = t
         for stale in [r for r in self._early if r < t]:
             del self._early[stale]
         for key in [k for k in self._replies if k[0] < t]:
             del self._replies[key]
-        mm_deadline = t0 + cfg.matchmaking_timeout_s
         self._cfg = cfg
+        self._cur = _Current(t, ranked[0], pending=self._early.pop(t, []))
+        cap = max(grid.side, len(ranked))
+        deadline = t0 + cfg.matchmaking_timeout_s
+        failovers = 0
         try:
-            if leader == me:
-                group = [p for p in plan.group_of(me) if p != me]
-                members = await self._lead(t, group, max(grid.side, len(group) + 1), mm_deadline)
+            if j == 0:
+                members = await self._lead(t, ranked[1:], cap, deadline)
             else:
-                members = await self._follow(t, leader, mm_deadline + 2 * cfg.reply_margin_s)
+                members, failovers = await self._follow(
+                    t, ranked[:j], ranked[j + 1 :], cap, deadline
+                )
         finally:
             # matchmaking of round t is over: later JOINs for it are refused at once
             self._cur = None
             self.next_round = max(self.next_round, t + 1)
-        extra = {"group_size": float(len(members)), "leader": float(leader == me)}
+        extra = {"group_size": float(len(members)), "leader": float(j == 0 or failovers == j)}
         extra.update(grid_side=float(grid.side), grid_dims=float(grid.dims))
-        extra["matchmaking_s"] = clock.now() - t0
+        extra.update(matchmaking_s=clock.now() - t0, failovers=float(failovers))
         if len(members) < 2:
-            return CollectiveReport(
-                round=t,
-                method="moshpit",
-                participants=(me,),
-                contributors=(me,),
-                elapsed_s=clock.now() - t0,
-                extra=extra,
+            rep = CollectiveReport(round=t, participants=(me,), contributors=(me,), extra=extra)
+        else:
+            timeout = cfg.round_timeout_s or node.config.collective_timeout_s
+            rep = await self.engine.run_at(
+                t, buckets, participants=members, weight=weight, timeout_s=timeout
             )
-        timeout = cfg.round_timeout_s or node.config.collective_timeout_s
-        rep = await self.engine.run_at(
-            t, buckets, participants=members, weight=weight, timeout_s=timeout
-        )
-        rep.extra.update(extra)
+            rep.extra.update(extra)
         rep.method = "moshpit"
         rep.elapsed_s = clock.now() - t0
         return rep
 
     async def _lead(self, t: int, expected: list[str], cap: int, deadline: float) -> list[str]:
         """Collect joiners until the planned ones are in (or dead, or late); confirm."""
-        node, clock, me = self.node, self.node.clock, self.node.peer_id
-        asm = _Assembly(t, clock.now(), set(expected), cap)
-        self._cur = _Current(t, me, asm)
-        for pkt in self._early.pop(t, []):
-            self._on_join(pkt)
-        cfg = self._cfg
+        node, clock, me, cfg = self.node, self.node.clock, self.node.peer_id, self._cfg
+        cur = self._cur
+        assert cur is not None
+        asm = cur.assembly = _Assembly(t, clock.now(), set(expected), cap)
+        cur.leader = me
+        pending, cur.pending = cur.pending, []
+        for pkt, arrived in pending:
+            self._admit(asm, pkt, arrived)
         while True:
-            membership = node.membership
-            pending = {
-                p
-                for p in asm.expected
-                if p not in asm.joined and (membership is None or membership.is_alive(p))
-            }
+            alive = node.membership.is_alive if node.membership else (lambda _p: True)
+            pending_ids = {p for p in asm.expected if p not in asm.joined and alive(p)}
             now = clock.now()
-            if not pending or now >= deadline:
+            if not pending_ids or now >= deadline:
                 break
             # Nobody joined yet: we may simply be early (compute skew), so wait up to the
-            # deadline.  Once someone joined, the rest get the learned allowance.
+            # deadline.  Once someone joined, the rest get the learned allowance, and we
+            # never keep a joiner past the moment it said it gives up.
             cut = deadline
-            if self._spreads and asm.first is not None:
-                typical = statistics.median(self._spreads)
-                allowance = max(cfg.join_min_wait_s, cfg.join_wait_factor * typical)
-                cut = min(deadline, asm.first + allowance)
-                if now >= cut:
-                    break
+            if asm.joined:
+                cut = min(cut, min(asm.joined.values()))
+                if self._spreads and asm.first is not None:
+                    typical = statistics.median(self._spreads)
+                    allowance = max(cfg.join_min_wait_s, cfg.join_wait_factor * typical)
+                    cut = min(cut, asm.first + allowance)
+            if now >= cut:
+                break
             asm.wake.clear()
-            await _wait_any(clock, [asm.wake.wait()], cut - now)
+            await wait_any(clock, [asm.wake.wait()], cut - now)
         asm.closed = True
         now = clock.now()
         if asm.expected <= set(asm.joined) and asm.last is not None and asm.first is not None:
@@ -316,68 +303,117 @@ class MoshpitAverager:
         log.debug("peer %s: round %d leads %s", me, t, members)
         return members
 
-    async def _follow(self, t: int, leader: str, give_up: float) -> list[str]:
-        """Join ``leader`` (following redirects to earlier-ranked peers); the member list."""
+    async def _follow(
+        self, t: int, before: list[str], after: list[str], cap: int, deadline: float
+    ) -> tuple[list[str], int]:
+        """Join the first live member ranked before us; lead the rest if none is left."""
+        clock, me, cfg = self.node.clock, self.node.peer_id, self._cfg
+        cur = self._cur
+        assert cur is not None
+        give_up = deadline + 2 * cfg.reply_margin_s
+        failovers = 0
+        for i, candidate in enumerate(before):
+            now = clock.now()
+            if now >= deadline:
+                break
+            stop = give_up
+            if after or i < len(before) - 1:  # someone can take over if it failed
+                stop = min(give_up, now + self._leader_wait(deadline - now, len(before) - i))
+            outcome, members = await self._join(t, candidate, stop)
+            if outcome == "ok":
+                self._settle_pending(cur, "redirect")
+                return members, failovers
+            if outcome == "refuse":
+                break
+            failovers += 1  # presumed failed: the next-ranked member takes over
+            log.debug("peer %s: round %d gave up on leader %s", me, t, candidate)
+        else:
+            if after and clock.now() < deadline:
+                return await self._lead(t, after, cap, deadline), failovers
+        self._settle_pending(cur, "refuse")
+        return [me], failovers
+
+    def _leader_wait(self, remaining: float, candidates: int) -> float:
+        """How long to wait for a leader's answer before presuming it failed: the
+        learned answer latency (it covers the leader's own wait for its members),
+        and never less than a leader's allowance for a missing member."""
+        cfg = self._cfg
+        if not self._latency:
+            return remaining / (candidates + 1)
+        wait = max(2 * cfg.join_min_wait_s, cfg.join_wait_factor * statistics.median(self._latency))
+        if self._spreads:
+            allowance = max(
+                cfg.join_min_wait_s, cfg.join_wait_factor * statistics.median(self._spreads)
+            )
+            wait = max(wait, allowance + cfg.join_min_wait_s)
+        return min(wait, remaining / 2)
+
+    async def _join(self, t: int, target: str, stop: float) -> tuple[str, list[str]]:
+        """JOIN ``target`` (following redirects to earlier-ranked peers) until ``stop``.
+
+        Returns ("ok", members), ("refuse", []) or ("timeout", []).
+        """
         node, clock, me = self.node, self.node.clock, self.node.peer_id
-        seed = node.config.run
-        self._cur = _Current(t, leader)
-        for pkt in self._early.pop(t, []):
-            self._on_join(pkt)  # answered with a redirect to our leader
-        target = leader
+        seed, cur, sent_at = node.config.run, self._cur, clock.now()
+        assert cur is not None
         for _hop in range(4):
-            ttl = give_up - clock.now()
+            ttl = stop - clock.now()
             if ttl <= 0:
                 break
+            cur.leader = target
             send = asyncio.ensure_future(
                 node.send_reliable(target, Kind.MOSH_JOIN, {"t": t, "ttl": ttl}, timeout_s=ttl)
             )
             try:
-                reply = await self._await_reply(t, target, send, give_up)
+                reply = await self._await_reply(t, target, send, stop)
             finally:
                 send.cancel()
             if reply is None:
                 break
-            status = reply.fields.get("st")
+            status, nxt = reply.fields.get("st"), reply.fields.get("to")
             if status == "ok":
-                members = _members(reply.payload)
-                return members if me in members else [me]
-            nxt = reply.fields.get("to")
+                members = members_of(reply.payload)
+                if me not in members:
+                    return "refuse", []
+                self._latency.append(clock.now() - sent_at)
+                return "ok", members
             if (
                 status != "redirect"
                 or not isinstance(nxt, str)
                 or nxt == me
                 or leader_rank(seed, t, nxt) >= leader_rank(seed, t, target)
             ):
-                break
-            target = self._cur.leader = nxt
-        return [me]
+                return "refuse", []
+            target = nxt
+        return "timeout", []
 
     async def _await_reply(
-        self, t: int, target: str, send: asyncio.Future[bool], give_up: float
+        self, t: int, target: str, send: asyncio.Future[bool], stop: float
     ) -> Packet | None:
-        clock = self.node.clock
+        clock, membership = self.node.clock, self.node.membership
         while True:
             reply = self._replies.pop((t, target), None)
             if reply is not None:
                 return reply
             if send.done() and (send.cancelled() or send.exception() or not send.result()):
-                return None  # the leader never acknowledged: gone or unreachable
+                return None  # never acknowledged: gone or unreachable
+            if membership is not None and not membership.is_alive(target):
+                return None
             now = clock.now()
-            if now >= give_up:
+            if now >= stop:
                 return None
             self._reply_wake.clear()
             waits: list[Awaitable[object]] = [self._reply_wake.wait()]
             if not send.done():
                 waits.append(send)
-            await _wait_any(clock, waits, give_up - now)
+            await wait_any(clock, waits, stop - now)
 
     # ------------------------------------------------------------------ receiving
     def _reply(self, peer: str, fields: dict[str, object], payload: bytes = b"") -> None:
-        timeout = self._cfg.matchmaking_timeout_s
-        self.node.spawn(
-            self.node.send_reliable(peer, Kind.MOSH_GROUP, fields, payload, timeout_s=timeout),
-            "moshpit-reply",
+        send = self.node.send_reliable(
+            peer, Kind.MOSH_GROUP, fields, payload, timeout_s=self._cfg.matchmaking_timeout_s
         )
+        self.node.spawn(send, "moshpit-reply")
 
     def _saw(self, t: int) -> None:
         if t > self.max_seen:
@@ -390,26 +426,43 @@ class MoshpitAverager:
         self._saw(t)
         cur, now = self._cur, self.node.clock.now()
         if cur is not None and cur.t == t:
-            asm = cur.assembly
-            if asm is None:
-                self._reply(pkt.src, {"t": t, "st": "redirect", "to": cur.leader})
-            elif asm.closed:
-                if asm.first is not None:  # a late member: allow more next time
-                    self._spreads.append(now - asm.first)
-                self._reply(pkt.src, {"t": t, "st": "refuse"})
-            elif pkt.src not in asm.joined and len(asm.joined) + 1 >= asm.cap:
-                self._reply(pkt.src, {"t": t, "st": "refuse"})
-            else:
-                asm.joined[pkt.src] = now + float(ttl) - self._cfg.reply_margin_s
-                asm.first = now if asm.first is None else asm.first
-                if pkt.src in asm.expected:
-                    asm.last = now
-                asm.wake.set()
+            if cur.assembly is not None:
+                self._admit(cur.assembly, pkt, now)
+            else:  # answered once our own leader answers us or is presumed failed
+                cur.pending.append((pkt, now))
         elif t > (cur.t if cur is not None else self.next_round - 1):
             if sum(map(len, self._early.values())) < _MAX_EARLY:
-                self._early[t].append(pkt)
+                self._early[t].append((pkt, now))
         else:
             self._reply(pkt.src, {"t": t, "st": "refuse"})
+
+    def _admit(self, asm: _Assembly, pkt: Packet, arrived: float) -> None:
+        """A JOIN for the group we lead (``arrived``: when it reached us)."""
+        now = self.node.clock.now()
+        gives_up = arrived + float(pkt.fields["ttl"]) - self._cfg.reply_margin_s
+        if asm.closed:
+            if asm.first is not None:  # a late member: allow more next time
+                self._spreads.append(now - asm.first)
+            self._reply(pkt.src, {"t": asm.t, "st": "refuse"})
+        elif gives_up <= now:
+            return  # it has moved on (to another candidate, or alone)
+        elif pkt.src not in asm.joined and len(asm.joined) + 1 >= asm.cap:
+            self._reply(pkt.src, {"t": asm.t, "st": "refuse"})
+        else:
+            asm.joined[pkt.src] = gives_up
+            asm.first = now if asm.first is None else asm.first
+            if pkt.src in asm.expected:
+                asm.last = now
+            asm.wake.set()
+
+    def _settle_pending(self, cur: _Current, how: str) -> None:
+        """Answer the JOINs that came while we were following: redirect or refuse."""
+        pending, cur.pending = cur.pending, []
+        for pkt, _ in pending:
+            if how == "redirect":
+                self._reply(pkt.src, {"t": cur.t, "st": "redirect", "to": cur.leader})
+            else:
+                self._reply(pkt.src, {"t": cur.t, "st": "refuse"})
 
     def _on_group(self, pkt: Packet) -> None:
         t = pkt.fields.get("t")
@@ -425,70 +478,10 @@ class MoshpitAverager:
             self.beacons[pkt.src] = t
 
     def _on_membership(self, event: str, peer: str) -> None:
-        if event != "joined":
-            self.beacons.pop(peer, None)
+        if event == "joined":
+            return
+        self.beacons.pop(peer, None)
         cur = self._cur
-        if event != "joined" and cur is not None and cur.assembly is not None:
+        if cur is not None and cur.assembly is not None:
             cur.assembly.wake.set()  # a planned member died: stop waiting for it
-        if event != "joined":
-            self._reply_wake.set()
-
-
-def _members(payload: memoryview) -> list[str]:
-    try:
-        members = msgpack.unpackb(bytes(payload), max_array_len=4096, max_str_len=1024)
-    except Exception:
-        return []
-    if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
-        return []
-    return sorted(set(members))
-
-
-async def _wait_any(clock: object, aws: Sequence[Awaitable[object]], timeout_s: float) -> None:
-    """Wait until one of ``aws`` finishes or ``timeout_s`` passes on the injected clock."""
-    futs = [asyncio.ensure_future(a) for a in aws]
-    sleeper = asyncio.ensure_future(clock.sleep(max(0.0, timeout_s)))  # type: ignore[attr-defined]
-    try:
-        await asyncio.wait({*futs, sleeper}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        sleeper.cancel()
-        for f, a in zip(futs, aws, strict=True):
-            if f is not a:  # a coroutine we wrapped: ours to cancel
-                f.cancel()
-
-
-def merge_reports(reports: Sequence[CollectiveReport]) -> CollectiveReport:
-    """One report for a call of several rounds: sums, unions, and per-round extras."""
-    if not reports:
-        return CollectiveReport(method="moshpit")
-    parts: set[str] = set()
-    contrib: set[str] = set()
-    missing: set[str] = set()
-    for r in reports:
-        parts.update(r.participants)
-        contrib.update(r.contributors)
-        missing.update(r.missing)
-    received = sum(r.packets_received for r in reports)
-    lost = sum(r.packets_lost for r in reports)
-    sizes = [r.extra.get("group_size", 1.0) for r in reports]
-    return CollectiveReport(
-        round=reports[0].round,
-        method="moshpit",
-        participants=tuple(sorted(parts)),
-        contributors=tuple(sorted(contrib)),
-        missing=tuple(sorted(missing)),
-        packets_sent=sum(r.packets_sent for r in reports),
-        packets_received=received,
-        packets_lost=lost,
-        chunks_total=sum(r.chunks_total for r in reports),
-        chunks_stale=sum(r.chunks_stale for r in reports),
-        delivered_fraction=received / (received + lost) if received + lost else 1.0,
-        elapsed_s=sum(r.elapsed_s for r in reports),
-        timed_out=any(r.timed_out for r in reports),
-        extra={
-            "rounds": float(len(reports)),
-            "last_round": float(reports[-1].round),
-            "mean_group_size": sum(sizes) / len(sizes),
-            "alone_rounds": float(sum(s < 2 for s in sizes)),
-        },
-    )
+        self._reply_wake.set()  # a leader died: fail over now
