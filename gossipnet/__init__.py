@@ -9,9 +9,12 @@ package has no side effects: no thread, socket or event loop starts until
 
 from __future__ import annotations
 
+from ._microbatch import MicrobatchReport
+from .averaging.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
 from .clock import Clock, FakeClock, MonotonicClock
 from .config import Config
 from .errors import ClosedError, ConfigError, GossipError, PeerUnreachable, ProtocolError
+from .optim import GossipOptimizer
 from .peer import Peer, join
 from .rounds import CollectiveReport
 from .transport.faults import Crash, FaultPlan, GilbertElliott, Partition
@@ -19,6 +22,8 @@ from .transport.faults import Crash, FaultPlan, GilbertElliott, Partition
 __version__ = "0.1.0"
 
 __all__ = (
+    "AutoTau",
+    "AutoTauConfig",
     "Clock",
     "ClosedError",
     "CollectiveReport",
@@ -27,13 +32,17 @@ __all__ = (
     "Crash",
     "FakeClock",
     "FaultPlan",
+    "FixedTau",
     "GilbertElliott",
+    "GossipOptimizer",
     "GossipError",
+    "MicrobatchReport",
     "MonotonicClock",
     "Partition",
     "Peer",
     "PeerUnreachable",
     "ProtocolError",
+    "TauPolicy",
     "__version__",
     "join",
 )

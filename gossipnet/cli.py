@@ -326,7 +326,16 @@ register_command("demo", "N local peers train a small LM under packet loss", _co
                  _run_demo)  # fmt: skip
 register_command("bench", "run bench/*.py (--quick) and print their JSON lines",
                  _configure_bench, _run_bench)  # fmt: skip
-# ``testbed`` is registered here by its owner: register_command("testbed", ...).
+
+def _register_testbed() -> None:
+    # imported here, not at the top: the testbed package needs nothing until used,
+    # but keeps its own parser next to the code it drives
+    from .testbed import cli as testbed_cli
+
+    register_command("testbed", testbed_cli.HELP, testbed_cli.configure, testbed_cli.main)
+
+
+_register_testbed()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

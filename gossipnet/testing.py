@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from .clock import FakeClock
+from .noise import LogNormalDelay, NoisePlan, SlowPeer, Stall, simulate_fleet
 from .transport.faults import Crash, FaultPlan, FaultyTransport, GilbertElliott, Partition
 from .transport.memory import MemoryNetwork, MemoryTransport
 
@@ -16,7 +17,12 @@ __all__ = (
     "FaultPlan",
     "FaultyTransport",
     "GilbertElliott",
+    "LogNormalDelay",
     "MemoryNetwork",
     "MemoryTransport",
+    "NoisePlan",
     "Partition",
+    "SlowPeer",
+    "Stall",
+    "simulate_fleet",
 )
