@@ -79,7 +79,7 @@ class DemoConfig:
     strategy: str = "allreduce"
     chunk_bytes: int | None = 16384
     resync_every: int = 100
-    timeout_s: float = 5.0
+    timeout_s: float = 2.0  # per collective: 30x a loaded round on loopback; caps stalls
     corpus_bytes: int = 4_000_000
 
     def __post_init__(self) -> None:

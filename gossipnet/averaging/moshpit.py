@@ -295,7 +295,10 @@ class MoshpitAverager:
         now = clock.now()
         if asm.expected <= set(asm.joined) and asm.last is not None and asm.first is not None:
             self._spreads.append(asm.last - asm.first)
-        members = sorted({me} | {q for q, gives_up in asm.joined.items() if gives_up > now})
+        # a joiner whose stated give-up time passed has moved on: listing it would cost
+        # its slice (half the margin absorbs timer granularity at our own cut)
+        late = now - cfg.reply_margin_s / 2
+        members = sorted({me} | {q for q, gives_up in asm.joined.items() if gives_up >= late})
         payload = msgpack.packb(members)
         for q in members:
             if q != me:
@@ -306,19 +309,24 @@ class MoshpitAverager:
     async def _follow(
         self, t: int, before: list[str], after: list[str], cap: int, deadline: float
     ) -> tuple[list[str], int]:
-        """Join the first live member ranked before us; lead the rest if none is left."""
+        """Join the first live member ranked before us; lead the rest if none is left.
+
+        Every member presumes the k-th ranked one failed at the same moment,
+        ``start + (k + 1) x slot``, so the one that takes over starts leading
+        just when the others turn to it.
+        """
         clock, me, cfg = self.node.clock, self.node.peer_id, self._cfg
         cur = self._cur
         assert cur is not None
+        start = clock.now()
         give_up = deadline + 2 * cfg.reply_margin_s
+        slot = self._leader_wait(deadline - start)
         failovers = 0
-        for i, candidate in enumerate(before):
-            now = clock.now()
-            if now >= deadline:
+        for k, candidate in enumerate(before):
+            if clock.now() >= deadline:
                 break
-            stop = give_up
-            if after or i < len(before) - 1:  # someone can take over if it failed
-                stop = min(give_up, now + self._leader_wait(deadline - now, len(before) - i))
+            last = k == len(before) - 1 and not after  # nobody could take over from it
+            stop = give_up if last else min(give_up, start + (k + 1) * slot)
             outcome, members = await self._join(t, candidate, stop)
             if outcome == "ok":
                 self._settle_pending(cur, "redirect")
@@ -333,20 +341,20 @@ class MoshpitAverager:
         self._settle_pending(cur, "refuse")
         return [me], failovers
 
-    def _leader_wait(self, remaining: float, candidates: int) -> float:
-        """How long to wait for a leader's answer before presuming it failed: the
-        learned answer latency (it covers the leader's own wait for its members),
-        and never less than a leader's allowance for a missing member."""
+    def _leader_wait(self, window: float) -> float:
+        """How long a leader gets to answer before the next-ranked member takes over:
+        the learned answer latency (it covers the leader's own wait for its
+        members) and at least a leader's allowance for a missing member.  With no
+        history there is no telling slow from dead: no take-over (the whole window)."""
         cfg = self._cfg
         if not self._latency:
-            return remaining / (candidates + 1)
-        wait = max(2 * cfg.join_min_wait_s, cfg.join_wait_factor * statistics.median(self._latency))
+            return window
+        typical = statistics.median(self._latency)
+        wait = max(2 * cfg.join_min_wait_s, cfg.join_wait_factor * typical + cfg.join_min_wait_s)
         if self._spreads:
-            allowance = max(
-                cfg.join_min_wait_s, cfg.join_wait_factor * statistics.median(self._spreads)
-            )
-            wait = max(wait, allowance + cfg.join_min_wait_s)
-        return min(wait, remaining / 2)
+            typical = statistics.median(self._spreads)
+            wait = max(wait, max(cfg.join_min_wait_s, cfg.join_wait_factor * typical) * 1.5)
+        return min(wait, window / 2)
 
     async def _join(self, t: int, target: str, stop: float) -> tuple[str, list[str]]:
         """JOIN ``target`` (following redirects to earlier-ranked peers) until ``stop``.
@@ -444,7 +452,7 @@ class MoshpitAverager:
             if asm.first is not None:  # a late member: allow more next time
                 self._spreads.append(now - asm.first)
             self._reply(pkt.src, {"t": asm.t, "st": "refuse"})
-        elif gives_up <= now:
+        elif gives_up < now - self._cfg.reply_margin_s / 2:
             return  # it has moved on (to another candidate, or alone)
         elif pkt.src not in asm.joined and len(asm.joined) + 1 >= asm.cap:
             self._reply(pkt.src, {"t": asm.t, "st": "refuse"})
