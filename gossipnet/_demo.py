@@ -323,7 +323,7 @@ def _exchange(net: Peer, cfg: DemoConfig, model: CharLM, base: torch.optim.Optim
 
 
 def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> None:
-    """Run ``run`` on peer ``rank``: join, warm up, train, evaluate, leave."""
+    """Run ``run`` on peer ``rank``: join, barrier, train, evaluate, barrier, leave."""
     train, held = load_corpus(cfg.corpus_bytes)
     shard_len = len(train) // cfg.peers  # each peer trains on its own slice of the stream
     shard = train[rank * shard_len : (rank + 1) * shard_len]
@@ -355,10 +355,7 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
             t0 = time.perf_counter()
             for group in base.param_groups:
                 group["lr"] = lr_at(cfg, step)
-            starts = torch.randint(0, len(shard) - cfg.context - 1, (cfg.batch,), generator=gen)
-            loss = model.loss(
-                torch.stack([shard[s : s + cfg.context + 1] for s in starts.tolist()])
-            )
+            loss = model.loss(sample_windows(shard, cfg.batch, cfg.context, gen))
             base.zero_grad(set_to_none=False)
             loss.backward()
             rep = exchange(step)

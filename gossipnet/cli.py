@@ -327,6 +327,7 @@ register_command("demo", "N local peers train a small LM under packet loss", _co
 register_command("bench", "run bench/*.py (--quick) and print their JSON lines",
                  _configure_bench, _run_bench)  # fmt: skip
 
+
 def _register_testbed() -> None:
     # imported here, not at the top: the testbed package needs nothing until used,
     # but keeps its own parser next to the code it drives

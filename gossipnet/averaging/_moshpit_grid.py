@@ -13,9 +13,10 @@ Every peer computes the whole round plan from its own membership view and
 the round number, without a message; peers whose views agree derive the
 same groups, and :mod:`gossipnet.averaging.moshpit` confirms them with the
 group's leader (which also settles views that disagree).  Registers restart
-from a fresh cell assignment at every *sweep* (d rounds), so the plan never
-depends on history older than d - 1 rounds; cells are placed by consistent
-hashing, so a peer missing from one view moves few others.  With N = M^d
+from a fresh cell assignment at every *sweep* (d rounds; the averager starts
+one per call), so the plan never depends on history older than the sweep;
+cells are placed by consistent hashing, so a peer missing from one view
+moves few others.  With N = M^d
 and no faults the d rounds of a sweep leave every peer with the exact mean.
 """
 
@@ -181,11 +182,17 @@ def initial_keys(view: Sequence[str], grid: Grid, seed: str, sweep: int) -> dict
     return out
 
 
-def keys_at(view: Sequence[str], grid: Grid, seed: str, round_: int) -> dict[str, GroupKey]:
-    """Every peer's register in ``round_``: the sweep's cells advanced round by round."""
-    sweep, offset = divmod(round_, grid.dims)
-    keys = initial_keys(view, grid, seed, sweep)
-    for r in range(round_ - offset, round_):
+def keys_at(
+    view: Sequence[str], grid: Grid, seed: str, round_: int, start: int | None = None
+) -> dict[str, GroupKey]:
+    """Every peer's register in ``round_``: fresh cells at the sweep's first round
+    ``start`` (default: the multiple of d at or before ``round_``), advanced round by round."""
+    if start is None:
+        start = round_ - round_ % grid.dims
+    if not 0 <= start <= round_:
+        raise ValueError(f"sweep start {start} must be in [0, {round_}]")
+    keys = initial_keys(view, grid, seed, start)
+    for r in range(start, round_):
         keys = {p: k.advance(group_id(seed, r, k.key)) for p, k in keys.items()}
     return keys
 
@@ -224,8 +231,10 @@ def leader_rank(seed: str, round_: int, peer: str) -> bytes:
 
 
 @functools.lru_cache(maxsize=256)
-def _plan(view: tuple[str, ...], round_: int, seed: str, grid: Grid) -> RoundPlan:
-    keys = keys_at(view, grid, seed, round_)
+def _plan(
+    view: tuple[str, ...], round_: int, seed: str, grid: Grid, start: int | None
+) -> RoundPlan:
+    keys = keys_at(view, grid, seed, round_, start)
     by_key: dict[tuple[int, ...], list[str]] = {}
     for p, k in keys.items():
         by_key.setdefault(k.key, []).append(p)
@@ -234,7 +243,10 @@ def _plan(view: tuple[str, ...], round_: int, seed: str, grid: Grid) -> RoundPla
     return RoundPlan(round_, grid, groups, leaders, keys)
 
 
-def plan_round(view: Sequence[str], round_: int, *, seed: str, grid: Grid) -> RoundPlan:
-    """The groups of ``round_`` for the peers in ``view`` (cached: peers of one
-    process that share a view share the plan)."""
-    return _plan(tuple(sorted(set(view))), round_, seed, grid)
+def plan_round(
+    view: Sequence[str], round_: int, *, seed: str, grid: Grid, start: int | None = None
+) -> RoundPlan:
+    """The groups of ``round_`` for the peers in ``view``; ``start`` is the first
+    round of its sweep (default: sweeps of d rounds from round 0).  Cached: peers
+    of one process that share a view share the plan."""
+    return _plan(tuple(sorted(set(view))), round_, seed, grid, start)

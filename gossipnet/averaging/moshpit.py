@@ -17,14 +17,19 @@ Matchmaking (hivemind uses a DHT; gossipnet has only membership views):
    (``join_wait_factor`` x the usual join spread) after the first one, never
    past ``matchmaking_timeout_s`` nor past the moment a joiner gives up.  It
    also takes joiners it did not plan for (their view differs), up to M.
+   Planned members that have not joined after ``join_min_wait_s`` are
+   invited; those busy elsewhere this round (their view differs) say so and
+   are not waited for.
 3. *Confirm*: the leader sends the final member list to every member; only
    that list is ever used, so all members of a group run the all-reduce with
    the same participants, and a peer runs in at most one group per round.
-4. *Fail over*: a follower that hears nothing from its leader for a learned
-   while presumes it failed and tries the next-ranked member; a peer whose
-   higher-ranked members all failed leads the rest.  JOINs it receives while
-   still following wait for its own outcome (then: redirect, or lead them).
-   So no single peer's loss stops its group, only its own contribution.
+4. *Fail over*: a follower whose leader's node does not acknowledge the JOIN
+   (or that membership declares dead) tries the next-ranked member; a peer
+   whose higher-ranked members are all gone leads the rest.  JOINs it
+   receives while still following wait for its own outcome (then: redirect,
+   or lead them).  So no single peer's loss stops its group, only its own
+   contribution; an alive but late leader is waited for (that wait is what
+   keeps peers in step).
 
 Disagreeing views resolve within the round: a peer asked to lead while it
 follows redirects to its own leader, and redirects only go to peers ranked
@@ -55,11 +60,13 @@ from ..transport.wire import Kind, Packet
 from ._moshpit_engine import GroupEngine, members_of, merge_reports, wait_any
 from ._moshpit_grid import Grid, choose_grid, leader_rank, plan_round
 
-__all__ = ("MoshpitAverager", "MoshpitConfig", "merge_reports")
+__all__ = ("SWEEP_STRIDE", "MoshpitAverager", "MoshpitConfig", "merge_reports")
 
 log = logging.getLogger(__name__)
 
 _MAX_EARLY = 4096  # buffered JOINs for rounds we have not reached
+#: round numbers per sweep (one call); more than any grid's d
+SWEEP_STRIDE = 64
 _HISTORY = 64
 
 
@@ -70,9 +77,12 @@ class MoshpitConfig:
     max_group_size: largest group M; the grid is chosen from the live peer count.
     min_fill: smallest acceptable grid fill (ALGORITHMS.md 2.3, 2.6).
     grid: force ``(M, d)`` instead (tests, benches); more peers than M^d raises.
-    matchmaking_timeout_s: bound of group assembly in one round.
-    join_min_wait_s / join_wait_factor: floor and factor of the learned waits
-        (a leader for missing members, a follower for its leader's answer).
+    matchmaking_timeout_s: bound of group assembly in one round; also how much
+        compute skew between peers a round absorbs (hivemind: 5-15 s).
+    join_min_wait_s / join_wait_factor: a leader waits for missing members
+        ``max(min, factor x median join spread)`` after the first one joined.
+    ack_timeout_s: a leader whose node does not acknowledge a JOIN within this
+        long is presumed gone and the next-ranked member takes over.
     reply_margin_s: time allowed for the member list to reach a member.
     round_timeout_s: bound of a group's all-reduce (None: ``Config.collective_timeout_s``).
     """
@@ -80,10 +90,11 @@ class MoshpitConfig:
     max_group_size: int = 32
     min_fill: float = 0.75
     grid: tuple[int, int] | None = None
-    matchmaking_timeout_s: float = 1.0
+    matchmaking_timeout_s: float = 5.0
     join_min_wait_s: float = 0.1
     join_wait_factor: float = 3.0
     reply_margin_s: float = 0.1
+    ack_timeout_s: float = 0.2
     round_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -91,7 +102,7 @@ class MoshpitConfig:
             raise ValueError("max_group_size must be >= 2 and min_fill in (0, 1]")
         if self.grid is not None and (self.grid[0] < 1 or self.grid[1] < 1):
             raise ValueError(f"grid must be (side >= 1, dims >= 1), got {self.grid}")
-        for name in ("matchmaking_timeout_s", "join_wait_factor"):
+        for name in ("matchmaking_timeout_s", "join_wait_factor", "ack_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"MoshpitConfig.{name} must be > 0")
         if self.join_min_wait_s < 0 or self.reply_margin_s < 0:
@@ -143,7 +154,6 @@ class MoshpitAverager:
         self._replies: dict[tuple[int, str], Packet] = {}
         self._reply_wake = asyncio.Event()
         self._spreads: collections.deque[float] = collections.deque(maxlen=_HISTORY)
-        self._latency: collections.deque[float] = collections.deque(maxlen=_HISTORY)
         self._lock = asyncio.Lock()
         node.subscribe(Kind.MOSH_JOIN, self._on_join)
         node.subscribe(Kind.MOSH_GROUP, self._on_group)
@@ -167,61 +177,81 @@ class MoshpitAverager:
         config: MoshpitConfig | None = None,
         start_round: int | None = None,
     ) -> CollectiveReport:
-        """Average ``buckets`` in place over ``rounds`` Moshpit rounds.
+        """Average ``buckets`` in place: one sweep of Moshpit rounds.
+
+        Every call is a sweep: round numbers ``s * SWEEP_STRIDE + i`` for the
+        call's sweep ``s`` and ``i = 0, 1, ...``; the next call starts sweep
+        ``s + 1`` however many rounds this one ran.  Why: peers whose views
+        differ for a moment choose grids of different d, so a count of rounds
+        would drift apart between them; sweep numbers do not.
 
         Args:
             buckets: flat contiguous 1-D CPU tensors, the same layout on every peer.
-            rounds: rounds to run; None runs to the end of the current sweep of d
-                rounds (d when the peers are in step), so one call on a full grid
-                yields the exact global mean.
+            rounds: rounds to run (at most ``SWEEP_STRIDE``); None: the grid's d,
+                which on a full grid yields the exact global mean.
             weight: this peer's weight in every group mean, >= 0.
             config: overrides :attr:`config` for this call.
-            start_round: first round (tests, benches); default :meth:`_start_round`.
+            start_round: first round number (tests, benches: ``divmod`` by
+                ``SWEEP_STRIDE`` gives sweep and offset); default :meth:`_start_round`.
 
         Returns:
             One merged :class:`CollectiveReport` (per-round ones in :attr:`last_rounds`).
         """
-        if rounds is not None and rounds < 1:
-            raise ValueError(f"rounds must be >= 1 or None, got {rounds}")
+        if rounds is not None and not 1 <= rounds <= SWEEP_STRIDE:
+            raise ValueError(f"rounds must be in [1, {SWEEP_STRIDE}] or None, got {rounds}")
         cfg = config or self.config
         async with self._lock:
-            t = self._start_round(cfg) if start_round is None else start_round
+            t = self._start_round() if start_round is None else start_round
+            sweep = t - t % SWEEP_STRIDE
+            todo = rounds or self.grid_for(len(self.view(t, cfg)), cfg).dims - (t - sweep)
             reports: list[CollectiveReport] = []
-            todo = rounds
-            while todo is None or len(reports) < todo:
-                if todo is None:
-                    todo = (
-                        dims := self.grid_for(len(self.node.alive_peers()), cfg).dims
-                    ) - t % dims
-                reports.append(await self._round(t, list(buckets), weight, cfg))
-                t += 1
-                self.next_round = t
-                self.node.beacon["mpt"] = t
+            for i in range(max(1, todo)):
+                reports.append(await self._round(t + i, sweep, list(buckets), weight, cfg))
+                self.next_round = max(self.next_round, t + i + 1)
+                self.node.beacon["mpt"] = self.next_round
+            if start_round is None:  # the next call is the next sweep
+                self.next_round = max(self.next_round, sweep + SWEEP_STRIDE)
+                self.node.beacon["mpt"] = self.next_round
             self.last_rounds = reports
             return merge_reports(reports)
 
-    def _start_round(self, cfg: MoshpitConfig) -> int:
-        """Where a call starts: our next round, unless the others are a whole sweep
-        ahead (we restarted, or were cut off): then their current round.
+    def view(self, t: int, config: MoshpitConfig | None = None) -> list[str]:
+        """The peers planned into round ``t``: alive, and not far behind.
+
+        Why the second filter: a peer that just restarted is alive (its node
+        answers) long before it averages (it is still downloading state); in
+        a plan it would hold its group until the deadline.  Its heartbeats
+        announce the round it is at, so a peer two sweeps behind is left out
+        until it catches up (one heartbeat after its first round).  A peer
+        whose round we have not heard yet is planned in (cluster start).
+        """
+        me = self.node.peer_id
+        lag = 2 * SWEEP_STRIDE
+        return [p for p in self.node.alive_peers() if p == me or self.beacons.get(p, t) >= t - lag]
+
+    def _start_round(self) -> int:
+        """Where a call starts: our next sweep, unless the others are a whole sweep
+        ahead (we restarted, or were cut off): then the round they announce.
 
         Why not always the highest round seen, as the all-reduce does: groups end
-        their rounds at different times, so a peer a little late would see round
-        t + 1 announced and skip round t, which its own group is still waiting
-        for; one skip puts its calls out of step with everyone's for good.
+        their rounds at different times, so a peer a little late would see the
+        next round announced and skip one its own group is still waiting for.
         """
-        dims = self.grid_for(len(self.node.alive_peers()), cfg).dims
-        return self.max_seen if self.max_seen >= self.next_round + dims else self.next_round
+        if self.max_seen >= self.next_round + SWEEP_STRIDE:
+            return self.max_seen
+        return self.next_round
 
     # ------------------------------------------------------------------ one round
     async def _round(
-        self, t: int, buckets: list[torch.Tensor], weight: float, cfg: MoshpitConfig
+        self, t: int, sweep: int, buckets: list[torch.Tensor], weight: float, cfg: MoshpitConfig
     ) -> CollectiveReport:
         node, clock, me = self.node, self.node.clock, self.node.peer_id
         t0 = clock.now()
-        grid = self.grid_for(len(view := node.alive_peers()), cfg)
+        view = self.view(t, cfg)
+        grid = self.grid_for(len(view), cfg)
         seed = node.config.run
         ranked = sorted(
-            plan_round(view, t, seed=seed, grid=grid).group_of(me),
+            plan_round(view, t, seed=seed, grid=grid, start=sweep).group_of(me),
             key=lambda p: leader_rank(seed, t, p),
         )
         j = ranked.index(me)
@@ -259,6 +289,18 @@ class MoshpitAverager:
             rep.extra.update(extra)
         rep.method = "moshpit"
         rep.elapsed_s = clock.now() - t0
+        if rep.elapsed_s > 1.0:
+            log.warning(
+                "SLOW peer %s round %d j=%d ranked=%s members=%s mm=%.2f total=%.2f view=%d",
+                me,
+                t,
+                j,
+                ranked,
+                members,
+                extra["matchmaking_s"],
+                rep.elapsed_s,
+                len(view),
+            )
         return rep
 
     async def _lead(self, t: int, expected: list[str], cap: int, deadline: float) -> list[str]:
@@ -271,16 +313,23 @@ class MoshpitAverager:
         pending, cur.pending = cur.pending, []
         for pkt, arrived in pending:
             self._admit(asm, pkt, arrived)
+        invited = False
         while True:
             alive = node.membership.is_alive if node.membership else (lambda _p: True)
             pending_ids = {p for p in asm.expected if p not in asm.joined and alive(p)}
             now = clock.now()
             if not pending_ids or now >= deadline:
                 break
+            if not invited and now >= asm.start + cfg.join_min_wait_s:
+                # planned members that are busy elsewhere this round (their view put
+                # them in another group) say so, instead of being waited for
+                for p in pending_ids:
+                    node.send(p, Kind.MOSH_GROUP, {"t": t, "st": "invite"})
+                invited = True
             # Nobody joined yet: we may simply be early (compute skew), so wait up to the
             # deadline.  Once someone joined, the rest get the learned allowance, and we
             # never keep a joiner past the moment it said it gives up.
-            cut = deadline
+            cut = deadline if invited else min(deadline, asm.start + cfg.join_min_wait_s)
             if asm.joined:
                 cut = min(cut, min(asm.joined.values()))
                 if self._spreads and asm.first is not None:
@@ -311,80 +360,65 @@ class MoshpitAverager:
     ) -> tuple[list[str], int]:
         """Join the first live member ranked before us; lead the rest if none is left.
 
-        Every member presumes the k-th ranked one failed at the same moment,
-        ``start + (k + 1) x slot``, so the one that takes over starts leading
-        just when the others turn to it.
+        "Live" is what its node says: a JOIN that is not acknowledged within
+        ``ack_timeout_s`` (or a member membership declares dead) is presumed
+        failed, and the next-ranked member takes over.  A member that
+        acknowledges is alive and is waited for until the deadline: it may
+        just be a little behind (compute skew), and group rounds are what keeps
+        peers in step, so an alive leader is not abandoned.
         """
         clock, me, cfg = self.node.clock, self.node.peer_id, self._cfg
         cur = self._cur
         assert cur is not None
-        start = clock.now()
         give_up = deadline + 2 * cfg.reply_margin_s
-        slot = self._leader_wait(deadline - start)
         failovers = 0
-        for k, candidate in enumerate(before):
+        for candidate in before:
             if clock.now() >= deadline:
                 break
-            last = k == len(before) - 1 and not after  # nobody could take over from it
-            stop = give_up if last else min(give_up, start + (k + 1) * slot)
-            outcome, members = await self._join(t, candidate, stop)
+            outcome, members = await self._join(t, candidate, give_up)
             if outcome == "ok":
                 self._settle_pending(cur, "redirect")
                 return members, failovers
-            if outcome == "refuse":
+            if outcome != "lost":
                 break
-            failovers += 1  # presumed failed: the next-ranked member takes over
-            log.debug("peer %s: round %d gave up on leader %s", me, t, candidate)
+            failovers += 1
+            log.debug("peer %s: round %d: leader %s is gone, next one", me, t, candidate)
         else:
             if after and clock.now() < deadline:
                 return await self._lead(t, after, cap, deadline), failovers
         self._settle_pending(cur, "refuse")
         return [me], failovers
 
-    def _leader_wait(self, window: float) -> float:
-        """How long a leader gets to answer before the next-ranked member takes over:
-        the learned answer latency (it covers the leader's own wait for its
-        members) and at least a leader's allowance for a missing member.  With no
-        history there is no telling slow from dead: no take-over (the whole window)."""
-        cfg = self._cfg
-        if not self._latency:
-            return window
-        typical = statistics.median(self._latency)
-        wait = max(2 * cfg.join_min_wait_s, cfg.join_wait_factor * typical + cfg.join_min_wait_s)
-        if self._spreads:
-            typical = statistics.median(self._spreads)
-            wait = max(wait, max(cfg.join_min_wait_s, cfg.join_wait_factor * typical) * 1.5)
-        return min(wait, window / 2)
-
     async def _join(self, t: int, target: str, stop: float) -> tuple[str, list[str]]:
         """JOIN ``target`` (following redirects to earlier-ranked peers) until ``stop``.
 
-        Returns ("ok", members), ("refuse", []) or ("timeout", []).
+        Returns ("ok", members), ("refuse", []) (refused, or no answer in time),
+        or ("lost", []): ``target`` never acknowledged or died.
         """
-        node, clock, me = self.node, self.node.clock, self.node.peer_id
-        seed, cur, sent_at = node.config.run, self._cur, clock.now()
+        node, clock, me, cfg = self.node, self.node.clock, self.node.peer_id, self._cfg
+        seed, cur = node.config.run, self._cur
         assert cur is not None
         for _hop in range(4):
             ttl = stop - clock.now()
             if ttl <= 0:
                 break
             cur.leader = target
+            fields = {"t": t, "ttl": ttl}
             send = asyncio.ensure_future(
-                node.send_reliable(target, Kind.MOSH_JOIN, {"t": t, "ttl": ttl}, timeout_s=ttl)
+                node.send_reliable(target, Kind.MOSH_JOIN, fields, timeout_s=cfg.ack_timeout_s)
             )
             try:
                 reply = await self._await_reply(t, target, send, stop)
             finally:
                 send.cancel()
             if reply is None:
-                break
+                alive = node.membership is None or node.membership.is_alive(target)
+                acked = send.done() and not send.cancelled() and send.result() is True
+                return ("refuse" if acked and alive else "lost"), []
             status, nxt = reply.fields.get("st"), reply.fields.get("to")
             if status == "ok":
                 members = members_of(reply.payload)
-                if me not in members:
-                    return "refuse", []
-                self._latency.append(clock.now() - sent_at)
-                return "ok", members
+                return ("ok", members) if me in members else ("refuse", [])
             if (
                 status != "redirect"
                 or not isinstance(nxt, str)
@@ -393,7 +427,7 @@ class MoshpitAverager:
             ):
                 return "refuse", []
             target = nxt
-        return "timeout", []
+        return "refuse", []
 
     async def _await_reply(
         self, t: int, target: str, send: asyncio.Future[bool], stop: float
@@ -432,6 +466,7 @@ class MoshpitAverager:
         if type(t) is not int or not isinstance(ttl, int | float) or t < 0:
             return
         self._saw(t)
+        self.beacons[pkt.src] = max(t, self.beacons.get(pkt.src, t))  # it is at round t
         cur, now = self._cur, self.node.clock.now()
         if cur is not None and cur.t == t:
             if cur.assembly is not None:
@@ -473,8 +508,21 @@ class MoshpitAverager:
                 self._reply(pkt.src, {"t": cur.t, "st": "refuse"})
 
     def _on_group(self, pkt: Packet) -> None:
-        t = pkt.fields.get("t")
-        if type(t) is not int or t < self.next_round:
+        t, status = pkt.fields.get("t"), pkt.fields.get("st")
+        if type(t) is not int:
+            return
+        cur = self._cur
+        if status == "invite":
+            engaged = cur is not None and cur.t == t and cur.leader != pkt.src
+            if engaged or t < (cur.t if cur is not None else self.next_round):
+                self.node.send(pkt.src, Kind.MOSH_GROUP, {"t": t, "st": "busy"})
+            return  # not at round t yet: the inviter may still see us join
+        if status == "busy":
+            if cur is not None and cur.t == t and cur.assembly is not None:
+                cur.assembly.expected.discard(pkt.src)
+                cur.assembly.wake.set()
+            return
+        if t < self.next_round:
             return
         self._replies[(t, pkt.src)] = pkt
         self._reply_wake.set()
