@@ -222,12 +222,13 @@ class MoshpitAverager:
         answers) long before it averages (it is still downloading state); in
         a plan it would hold its group until the deadline.  Its heartbeats
         announce the round it is at, so a peer two sweeps behind is left out
-        until it catches up (one heartbeat after its first round).  A peer
-        whose round we have not heard yet is planned in (cluster start).
+        until it catches up (one heartbeat or JOIN after its first round).  A
+        peer whose round we have not heard counts as at round 0: planned in at
+        the start of a run, left out of a run under way.
         """
         me = self.node.peer_id
         lag = 2 * SWEEP_STRIDE
-        return [p for p in self.node.alive_peers() if p == me or self.beacons.get(p, t) >= t - lag]
+        return [p for p in self.node.alive_peers() if p == me or self.beacons.get(p, 0) >= t - lag]
 
     def _start_round(self) -> int:
         """Where a call starts: our next sweep, unless the others are a whole sweep

@@ -131,13 +131,18 @@ def test_sigterm_announces_departure_and_exits_within_a_second(
         parent.leave()
 
 
-def train(opt: Any, model: torch.nn.Module, steps: int, seed: int) -> list[Any]:
+def train(opt: Any, model: torch.nn.Module, steps: int, seed: int, until: Any = None) -> list[Any]:
+    """``steps`` steps (or until ``until()``), each with 20 ms standing in for compute:
+    peers are paced by their compute, as in training, not by the averaging alone."""
     gen = torch.Generator().manual_seed(seed)
     reports = []
     for _ in range(steps):
+        if until is not None and until():
+            break
         x = torch.randn(32, 4, generator=gen)
         loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
         loss.backward()
+        time.sleep(0.02)
         reports.append(opt.step())
         opt.zero_grad()
     return reports
@@ -182,18 +187,18 @@ def test_restarted_peer_downloads_state_and_is_averaging_again(
 
         fut = pool.submit(rejoin)
         # the others keep training; the newcomer's download is served between steps
-        list(pool.map(lambda i: train(opts[i], models[i], 2, 20 + i), range(3)))
+        list(pool.map(lambda i: train(opts[i], models[i], 400, 20 + i, fut.done), range(3)))
         fut.result(timeout=30)
         opts[3] = back[0]
         sync = opts[3]._moshpit.last_sync
         assert sync is not None
         assert sync.ok
         # state from after its request: the others' step count, not their first one
-        assert 6 <= opts[3].step_count <= 8, (sync, opts[3].step_count)
+        assert opts[3].step_count >= 6, (sync, opts[3].step_count)
         assert opts[3].base.state_dict()["state"]  # Adam moments came along
-        results = list(pool.map(lambda i: train(opts[i], models[i], 6, 30 + i), range(4)))
+        results = list(pool.map(lambda i: train(opts[i], models[i], 8, 30 + i), range(4)))
         averaged = [r for r in results[3] if r.method == "moshpit"]
-        assert any(len(r.participants) >= 2 for r in averaged[:3]), [(r.method, r.round, r.extra) for r in results[3]] + [opts[3].step_count]
+        assert any(len(r.participants) >= 2 for r in averaged[:3]), averaged
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
         for p in peers:
