@@ -358,6 +358,22 @@ class Node:
             return_exceptions=True,
         )
 
+    async def _connect_to(self, addresses: list[str]) -> None:
+        """Wait (bounded) until our own sends to ``addresses`` would be accepted.
+
+        Why: hearing from a peer says its socket to us is up, not ours to it; with
+        ZeroMQ's ``IMMEDIATE`` the first round's packets would be dropped otherwise.
+        """
+        transport = self.transport
+        connect = getattr(transport, "connect", None) or getattr(
+            getattr(transport, "inner", None), "connect", None
+        )
+        if connect is None:
+            return
+        await asyncio.gather(
+            *(connect(a, 0.5) for a in addresses if a != self.address), return_exceptions=True
+        )
+
     async def _heartbeat_loop(self) -> None:
         assert self.membership is not None
         interval = self.config.heartbeat_interval_s
@@ -410,6 +426,9 @@ class Node:
                     pass
                 finally:
                     waiter.cancel()
+            await self._connect_to(
+                [a for a in (self.membership.address_of(p) for p in self.alive_peers()) if a]
+            )
             return True
         finally:
             self.membership.off_change(wake)
