@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .averaging.moshpit import BEHIND_SWEEPS, SWEEP_STRIDE
 from .averaging.statesync import (
     Snapshot,
     TransferReport,
@@ -69,6 +70,8 @@ class MoshpitStrategy:
             has state, written atomically every ``checkpoint_every`` steps).
         checkpoint_every: steps between checkpoints (0: only on request).
         sync_timeout: bound of the initial state download in seconds.
+        catch_up_sweeps: download the others' state instead of averaging when this
+            many sweeps behind the most advanced peer (the others no longer plan us in).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class MoshpitStrategy:
         checkpoint: str | None = None,
         checkpoint_every: int = 0,
         sync_timeout: float = 30.0,
+        catch_up_sweeps: int = BEHIND_SWEEPS,
     ) -> None:
         if average_every < 1 or checkpoint_every < 0 or (rounds is not None and rounds < 1):
             raise ConfigError("average_every >= 1, rounds >= 1 and checkpoint_every >= 0 required")
@@ -96,6 +100,7 @@ class MoshpitStrategy:
         self.checkpoint = checkpoint
         self.checkpoint_every = checkpoint_every
         self.sync_timeout = sync_timeout
+        self.catch_up_sweeps = catch_up_sweeps
         self.params = [p for group in opt.groups for p in group]
         self.last_sync: TransferReport | None = None
         if checkpoint is not None:
@@ -118,7 +123,7 @@ class MoshpitStrategy:
         me = self.peer.peer_id
         report = CollectiveReport(method="local", participants=(me,), contributors=(me,))
         if self.opt.step_count % self.average_every == 0:
-            report = self.average(1.0 if weight is None else weight)
+            report = self._average_or_catch_up(1.0 if weight is None else weight)
         every = self.checkpoint_every
         if self.checkpoint and every and self.opt.step_count % every == 0:
             self.save_checkpoint()
@@ -128,7 +133,32 @@ class MoshpitStrategy:
         self.opt.last_report = report
         return report
 
-    def average(self, weight: float = 1.0) -> CollectiveReport:
+    def _average_or_catch_up(self, weight: float) -> CollectiveReport:
+        """Average this step's sweep; or, far behind the others, copy their state.
+
+        The sweep comes from the step count (the same on every peer at the same
+        step), not from counting calls: a peer that stalled then rejoins the
+        very sweep its partners are in, and peers never drift apart in round
+        numbers.  A peer ``catch_up_sweeps`` behind the most advanced one (it
+        stalled longer than a matchmaking window, so nobody waited) would only
+        average alone: it downloads the current state instead, step count
+        included, as a restarted peer does.
+        """
+        sweep = self.opt.step_count // self.average_every
+        averager = self.peer._moshpit
+        if (
+            averager is not None
+            and averager.max_seen >= (sweep + self.catch_up_sweeps) * SWEEP_STRIDE
+        ):
+            rep = self.sync(force=True)
+            me = self.peer.peer_id
+            extra = {"caught_up": float(bool(rep and rep.ok))}
+            return CollectiveReport(
+                method="catch-up", participants=(me,), contributors=(me,), extra=extra
+            )
+        return self.average(weight, start_round=sweep * SWEEP_STRIDE)
+
+    def average(self, weight: float = 1.0, start_round: int | None = None) -> CollectiveReport:
         """Average parameters (and optionally optimizer state) now."""
         tensors = [p.detach() for p in self.params]
         if self.average_state:
@@ -140,6 +170,7 @@ class MoshpitStrategy:
             weight=weight,
             timeout=self.opt.timeout,
             group_size=self.group_size,
+            start_round=start_round,
         )
 
     def _state_tensors(self) -> list[torch.Tensor]:
@@ -193,8 +224,9 @@ class MoshpitStrategy:
             raise ConfigError("no checkpoint path was given")
         save_atomic(self.checkpoint, self.state_bytes())
 
-    def sync(self) -> TransferReport | None:
-        """Download the state of a live peer if there is one to follow (see module doc)."""
+    def sync(self, force: bool = False) -> TransferReport | None:
+        """Download the state of a live peer if there is one to follow (see module doc);
+        ``force``: from whoever is training (we fell behind)."""
         sync, averager = self.peer._statesync, self.peer._moshpit
         if sync is None or averager is None:
             return None
@@ -202,7 +234,7 @@ class MoshpitStrategy:
         if not others:
             return None
         me = self.peer.peer_id
-        if progress > 0:
+        if progress > 0 or force:
             sources, max_age = None, 0.0  # training under way: state from after we asked
         elif min(others) < me:
             sources, max_age = [min(others)], None  # fresh cluster: the first peer's state

@@ -328,7 +328,8 @@ class Node:
         self.codec.forget(pkt.src)
         if address is not None:
             # after a grace period: the ACK of this LEAVE is still queued on that socket
-            self.clock.call_later(self.config.control_timeout_s, lambda: self._forget(address))
+            grace = min(self.config.control_timeout_s, 10 * self.config.control_retry_s)
+            self.clock.call_later(grace, lambda: self._forget(address))
 
     def _forget(self, address: str) -> None:
         """Release the transport's per-destination resources unless a peer uses it again."""

@@ -78,7 +78,7 @@ class Config:
     join_timeout_s: float = 30.0
     # collectives
     collective_timeout_s: float = 10.0
-    phase_min_wait_s: float = 0.2
+    phase_min_wait_s: float = 0.1
     phase_deadline_factor: float = 3.0
     resync_every_steps: int = 100
 

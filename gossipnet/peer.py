@@ -256,6 +256,7 @@ class Peer:
         weight: float = 1.0,
         timeout: float | None = None,
         group_size: int | None = None,
+        start_round: int | None = None,
     ) -> CollectiveReport:
         """Average ``tensors`` (e.g. parameters) with the other peers, in place.
 
@@ -273,6 +274,10 @@ class Peer:
             timeout: bound of each group all-reduce in seconds (default
                 ``Config.collective_timeout_s``); matchmaking adds its own bound.
             group_size: largest group M (default 32); the grid follows the live count.
+            start_round: Moshpit round number to start at (advanced): by default each
+                call is the next sweep; the optimizer strategy passes
+                ``step // average_every * SWEEP_STRIDE`` so that peers average the same
+                sweep at the same step however long any of them stalled.
 
         Returns:
             The merged :class:`CollectiveReport` (``extra``: rounds, mean group size,
@@ -304,7 +309,9 @@ class Peer:
         n_rounds = rounds or averager.grid_for(len(self.alive_peers()), cfg).dims
         per_round = cfg.matchmaking_timeout_s + 3 * cfg.reply_margin_s
         per_round += cfg.round_timeout_s or self.config.collective_timeout_s
-        coro = averager.average(cpu, rounds=rounds, weight=weight, config=cfg)
+        coro = averager.average(
+            cpu, rounds=rounds, weight=weight, config=cfg, start_round=start_round
+        )
         report = self._call(coro, (n_rounds + 1) * per_round + 30)
         for b, c in zip(buckets, cpu, strict=True):
             if b is not c:

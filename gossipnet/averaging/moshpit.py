@@ -60,13 +60,16 @@ from ..transport.wire import Kind, Packet
 from ._moshpit_engine import GroupEngine, members_of, merge_reports, wait_any
 from ._moshpit_grid import Grid, choose_grid, leader_rank, plan_round
 
-__all__ = ("SWEEP_STRIDE", "MoshpitAverager", "MoshpitConfig", "merge_reports")
+__all__ = ("BEHIND_SWEEPS", "SWEEP_STRIDE", "MoshpitAverager", "MoshpitConfig", "merge_reports")
 
 log = logging.getLogger(__name__)
 
 _MAX_EARLY = 4096  # buffered JOINs for rounds we have not reached
 #: round numbers per sweep (one call); more than any grid's d
 SWEEP_STRIDE = 64
+#: a peer this many sweeps behind is left out of plans (and should catch up by state);
+#: one less behind is planned in, and its groups' waits pull it back in step
+BEHIND_SWEEPS = 16
 _HISTORY = 64
 
 
@@ -221,13 +224,13 @@ class MoshpitAverager:
         Why the second filter: a peer that just restarted is alive (its node
         answers) long before it averages (it is still downloading state); in
         a plan it would hold its group until the deadline.  Its heartbeats
-        announce the round it is at, so a peer two sweeps behind is left out
-        until it catches up (one heartbeat or JOIN after its first round).  A
+        announce the round it is at, so a peer ``BEHIND_SWEEPS`` behind is left
+        out until it catches up (one heartbeat or JOIN after its first round).  A
         peer whose round we have not heard counts as at round 0: planned in at
         the start of a run, left out of a run under way.
         """
         me = self.node.peer_id
-        lag = 2 * SWEEP_STRIDE
+        lag = BEHIND_SWEEPS * SWEEP_STRIDE
         return [p for p in self.node.alive_peers() if p == me or self.beacons.get(p, 0) >= t - lag]
 
     def _start_round(self) -> int:
