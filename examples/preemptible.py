@@ -18,8 +18,8 @@ probability P per second, and ``--checkpoint-dir`` keeps a per-rank atomic
 checkpoint for restarts of the whole group (torchrun restarts all local
 workers together, so no live peer may be left to download from):
 
-    torchrun --nproc-per-node 4 --max-restarts 5 examples/preemptible.py \\
-        --worker --chaos 0.02 --checkpoint-dir runs/preemptible/ckpt
+    torchrun --nproc-per-node 4 --max-restarts 10 examples/preemptible.py \\
+        --worker --chaos 0.02 --max-steps 1500 --checkpoint-dir runs/preemptible/ckpt
 
 Compared with a plain PyTorch loop the new lines are ``gossipnet.join(...)``
 and ``net.optimizer(..., strategy="moshpit", average_every=4)``.
@@ -95,6 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     end = time.time() + args.duration
     stop = args.log_dir / "STOP"  # the supervisor ends the run for everyone
     while time.time() < end and not stop.exists():
+        if args.max_steps is not None and opt.step_count >= args.max_steps:
+            break
         x, y = teacher_batch(gen)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -280,6 +282,7 @@ def main() -> None:
     p.add_argument("--chaos", type=float, default=0.0, help="self-SIGKILL rate per second")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--wait-for", type=int, default=None, help="peers join() waits for")
+    p.add_argument("--max-steps", type=int, default=None, help="stop at this step (torchrun)")
     args = p.parse_args()
     if args.worker:
         args.log_dir.mkdir(parents=True, exist_ok=True)

@@ -269,7 +269,7 @@ class Peer:
 
         Args:
             tensors: any float dtypes and shapes, the same layout on every peer.
-            rounds: Moshpit rounds (None: to the end of the current sweep of d).
+            rounds: Moshpit rounds in this call (None: the grid's d, one sweep).
             weight: this peer's weight in each group mean, >= 0.
             timeout: bound of each group all-reduce in seconds (default
                 ``Config.collective_timeout_s``); matchmaking adds its own bound.

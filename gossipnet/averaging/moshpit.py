@@ -31,6 +31,14 @@ Matchmaking (hivemind uses a DHT; gossipnet has only membership views):
    contribution; an alive but late leader is waited for (that wait is what
    keeps peers in step).
 
+Rounds and views: every call is one *sweep* (round numbers ``s * SWEEP_STRIDE
++ i``), so peers whose views briefly differ (and so choose grids of
+different d) never drift apart in numbering; the optimizer derives ``s``
+from its step count.  A peer that (re)joined after we started averaging is
+planned in once it announces a round (heartbeat, JOIN, or the "here" it
+sends on its first call), so a restarted peer still downloading state is
+not waited for.
+
 Disagreeing views resolve within the round: a peer asked to lead while it
 follows redirects to its own leader, and redirects only go to peers ranked
 strictly earlier, so they cannot cycle.  Every wait has a deadline on the
@@ -47,24 +55,22 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import statistics
-from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
-import msgpack
 import torch
 
 from .._node import Node
 from ..rounds import CollectiveReport
 from ..transport.wire import Kind, Packet
-from ._moshpit_engine import GroupEngine, members_of, merge_reports, wait_any
+from ._moshpit_engine import GroupEngine, merge_reports
 from ._moshpit_grid import Grid, choose_grid, leader_rank, plan_round
+from ._moshpit_match import Matchmaking, _Current
 
 __all__ = ("BEHIND_SWEEPS", "SWEEP_STRIDE", "MoshpitAverager", "MoshpitConfig", "merge_reports")
 
 log = logging.getLogger(__name__)
 
-_MAX_EARLY = 4096  # buffered JOINs for rounds we have not reached
 #: round numbers per sweep (one call); more than any grid's d
 SWEEP_STRIDE = 64
 #: a peer this many sweeps behind is left out of plans (and should catch up by state);
@@ -97,7 +103,7 @@ class MoshpitConfig:
     join_min_wait_s: float = 0.1
     join_wait_factor: float = 3.0
     reply_margin_s: float = 0.1
-    ack_timeout_s: float = 0.2
+    ack_timeout_s: float = 0.5
     round_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -114,32 +120,7 @@ class MoshpitConfig:
             raise ValueError("round_timeout_s must be > 0 or None")
 
 
-@dataclass
-class _Assembly:
-    """A leader's group in the making."""
-
-    t: int
-    start: float
-    expected: set[str]
-    cap: int
-    joined: dict[str, float] = field(default_factory=dict)  # member -> when it gives up
-    first: float | None = None
-    last: float | None = None
-    closed: bool = False
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-@dataclass
-class _Current:
-    """This peer's matchmaking in round ``t``."""
-
-    t: int
-    leader: str  # whom we follow now (ourselves when leading)
-    assembly: _Assembly | None = None  # set once we lead
-    pending: list[tuple[Packet, float]] = field(default_factory=list)  # JOINs while following
-
-
-class MoshpitAverager:
+class MoshpitAverager(Matchmaking):
     """Moshpit rounds for one node; every method runs on the node's loop thread."""
 
     def __init__(self, node: Node, config: MoshpitConfig | None = None) -> None:
@@ -158,6 +139,7 @@ class MoshpitAverager:
         self._reply_wake = asyncio.Event()
         self._spreads: collections.deque[float] = collections.deque(maxlen=_HISTORY)
         self._lock = asyncio.Lock()
+        self._newcomers: set[str] = set()  # (re)joined after we started averaging
         node.subscribe(Kind.MOSH_JOIN, self._on_join)
         node.subscribe(Kind.MOSH_GROUP, self._on_group)
         node.on_heartbeat(self._on_heartbeat)
@@ -206,13 +188,15 @@ class MoshpitAverager:
         async with self._lock:
             t = self._start_round() if start_round is None else start_round
             sweep = t - t % SWEEP_STRIDE
+            if t - int(self.node.beacon.get("mpt", 0)) > SWEEP_STRIDE:
+                self._announce(t)
             todo = rounds or self.grid_for(len(self.view(t, cfg)), cfg).dims - (t - sweep)
             reports: list[CollectiveReport] = []
             for i in range(max(1, todo)):
                 reports.append(await self._round(t + i, sweep, list(buckets), weight, cfg))
                 self.next_round = max(self.next_round, t + i + 1)
                 self.node.beacon["mpt"] = self.next_round
-            if start_round is None:  # the next call is the next sweep
+            if rounds is None:  # the sweep is over for us: the next call is the next one
                 self.next_round = max(self.next_round, sweep + SWEEP_STRIDE)
                 self.node.beacon["mpt"] = self.next_round
             self.last_rounds = reports
@@ -225,13 +209,19 @@ class MoshpitAverager:
         answers) long before it averages (it is still downloading state); in
         a plan it would hold its group until the deadline.  Its heartbeats
         announce the round it is at, so a peer ``BEHIND_SWEEPS`` behind is left
-        out until it catches up (one heartbeat or JOIN after its first round).  A
-        peer whose round we have not heard counts as at round 0: planned in at
-        the start of a run, left out of a run under way.
+        out until it catches up (one heartbeat or JOIN after its first round).
+        A peer that (re)joined after we started averaging is left out until it
+        announces a round of its own; one that was there from the start is
+        planned in before its first announcement (everybody starts at 0).
         """
         me = self.node.peer_id
         lag = BEHIND_SWEEPS * SWEEP_STRIDE
-        return [p for p in self.node.alive_peers() if p == me or self.beacons.get(p, 0) >= t - lag]
+
+        def in_step(p: str) -> bool:
+            at = self.beacons.get(p, 0)
+            return at >= t - lag if at > 0 else p not in self._newcomers
+
+        return [p for p in self.node.alive_peers() if p == me or in_step(p)]
 
     def _start_round(self) -> int:
         """Where a call starts: our next sweep, unless the others are a whole sweep
@@ -293,255 +283,14 @@ class MoshpitAverager:
             rep.extra.update(extra)
         rep.method = "moshpit"
         rep.elapsed_s = clock.now() - t0
-        if rep.elapsed_s > 1.0:
-            log.warning(
-                "SLOW peer %s round %d j=%d ranked=%s members=%s mm=%.2f total=%.2f view=%d",
-                me,
-                t,
-                j,
-                ranked,
-                members,
-                extra["matchmaking_s"],
-                rep.elapsed_s,
-                len(view),
-            )
-        return rep
-
-    async def _lead(self, t: int, expected: list[str], cap: int, deadline: float) -> list[str]:
-        """Collect joiners until the planned ones are in (or dead, or late); confirm."""
-        node, clock, me, cfg = self.node, self.node.clock, self.node.peer_id, self._cfg
-        cur = self._cur
-        assert cur is not None
-        asm = cur.assembly = _Assembly(t, clock.now(), set(expected), cap)
-        cur.leader = me
-        pending, cur.pending = cur.pending, []
-        for pkt, arrived in pending:
-            self._admit(asm, pkt, arrived)
-        invited = False
-        while True:
-            alive = node.membership.is_alive if node.membership else (lambda _p: True)
-            pending_ids = {p for p in asm.expected if p not in asm.joined and alive(p)}
-            now = clock.now()
-            if not pending_ids or now >= deadline:
-                break
-            if not invited and now >= asm.start + cfg.join_min_wait_s:
-                # planned members that are busy elsewhere this round (their view put
-                # them in another group) say so, instead of being waited for
-                for p in pending_ids:
-                    node.send(p, Kind.MOSH_GROUP, {"t": t, "st": "invite"})
-                invited = True
-            # Nobody joined yet: we may simply be early (compute skew), so wait up to the
-            # deadline.  Once someone joined, the rest get the learned allowance, and we
-            # never keep a joiner past the moment it said it gives up.
-            cut = deadline if invited else min(deadline, asm.start + cfg.join_min_wait_s)
-            if asm.joined:
-                cut = min(cut, min(asm.joined.values()))
-                if self._spreads and asm.first is not None:
-                    typical = statistics.median(self._spreads)
-                    allowance = max(cfg.join_min_wait_s, cfg.join_wait_factor * typical)
-                    cut = min(cut, asm.first + allowance)
-            if now >= cut:
-                break
-            asm.wake.clear()
-            await wait_any(clock, [asm.wake.wait()], cut - now)
-        asm.closed = True
-        now = clock.now()
-        if asm.expected <= set(asm.joined) and asm.last is not None and asm.first is not None:
-            self._spreads.append(asm.last - asm.first)
-        # a joiner whose stated give-up time passed has moved on: listing it would cost
-        # its slice (half the margin absorbs timer granularity at our own cut)
-        late = now - cfg.reply_margin_s / 2
-        members = sorted({me} | {q for q, gives_up in asm.joined.items() if gives_up >= late})
-        payload = msgpack.packb(members)
-        for q in members:
-            if q != me:
-                self._reply(q, {"t": t, "st": "ok"}, payload)
-        log.debug("peer %s: round %d leads %s", me, t, members)
-        return members
-
-    async def _follow(
-        self, t: int, before: list[str], after: list[str], cap: int, deadline: float
-    ) -> tuple[list[str], int]:
-        """Join the first live member ranked before us; lead the rest if none is left.
-
-        "Live" is what its node says: a JOIN that is not acknowledged within
-        ``ack_timeout_s`` (or a member membership declares dead) is presumed
-        failed, and the next-ranked member takes over.  A member that
-        acknowledges is alive and is waited for until the deadline: it may
-        just be a little behind (compute skew), and group rounds are what keeps
-        peers in step, so an alive leader is not abandoned.
-        """
-        clock, me, cfg = self.node.clock, self.node.peer_id, self._cfg
-        cur = self._cur
-        assert cur is not None
-        give_up = deadline + 2 * cfg.reply_margin_s
-        failovers = 0
-        for candidate in before:
-            if clock.now() >= deadline:
-                break
-            outcome, members = await self._join(t, candidate, give_up)
-            if outcome == "ok":
-                self._settle_pending(cur, "redirect")
-                return members, failovers
-            if outcome != "lost":
-                break
-            failovers += 1
-            log.debug("peer %s: round %d: leader %s is gone, next one", me, t, candidate)
-        else:
-            if after and clock.now() < deadline:
-                return await self._lead(t, after, cap, deadline), failovers
-        self._settle_pending(cur, "refuse")
-        return [me], failovers
-
-    async def _join(self, t: int, target: str, stop: float) -> tuple[str, list[str]]:
-        """JOIN ``target`` (following redirects to earlier-ranked peers) until ``stop``.
-
-        Returns ("ok", members), ("refuse", []) (refused, or no answer in time),
-        or ("lost", []): ``target`` never acknowledged or died.
-        """
-        node, clock, me, cfg = self.node, self.node.clock, self.node.peer_id, self._cfg
-        seed, cur = node.config.run, self._cur
-        assert cur is not None
-        for _hop in range(4):
-            ttl = stop - clock.now()
-            if ttl <= 0:
-                break
-            cur.leader = target
-            fields = {"t": t, "ttl": ttl}
-            send = asyncio.ensure_future(
-                node.send_reliable(target, Kind.MOSH_JOIN, fields, timeout_s=cfg.ack_timeout_s)
-            )
-            try:
-                reply = await self._await_reply(t, target, send, stop)
-            finally:
-                send.cancel()
-            if reply is None:
-                alive = node.membership is None or node.membership.is_alive(target)
-                acked = send.done() and not send.cancelled() and send.result() is True
-                return ("refuse" if acked and alive else "lost"), []
-            status, nxt = reply.fields.get("st"), reply.fields.get("to")
-            if status == "ok":
-                members = members_of(reply.payload)
-                return ("ok", members) if me in members else ("refuse", [])
-            if (
-                status != "redirect"
-                or not isinstance(nxt, str)
-                or nxt == me
-                or leader_rank(seed, t, nxt) >= leader_rank(seed, t, target)
-            ):
-                return "refuse", []
-            target = nxt
-        return "refuse", []
-
-    async def _await_reply(
-        self, t: int, target: str, send: asyncio.Future[bool], stop: float
-    ) -> Packet | None:
-        clock, membership = self.node.clock, self.node.membership
-        while True:
-            reply = self._replies.pop((t, target), None)
-            if reply is not None:
-                return reply
-            if send.done() and (send.cancelled() or send.exception() or not send.result()):
-                return None  # never acknowledged: gone or unreachable
-            if membership is not None and not membership.is_alive(target):
-                return None
-            now = clock.now()
-            if now >= stop:
-                return None
-            self._reply_wake.clear()
-            waits: list[Awaitable[object]] = [self._reply_wake.wait()]
-            if not send.done():
-                waits.append(send)
-            await wait_any(clock, waits, stop - now)
-
-    # ------------------------------------------------------------------ receiving
-    def _reply(self, peer: str, fields: dict[str, object], payload: bytes = b"") -> None:
-        send = self.node.send_reliable(
-            peer, Kind.MOSH_GROUP, fields, payload, timeout_s=self._cfg.matchmaking_timeout_s
+        log.debug(
+            "peer %s: round %d group %s (rank %d in %s), matchmaking %.3f s, %d in view",
+            me,
+            t,
+            members,
+            j,
+            ranked,
+            extra["matchmaking_s"],
+            len(view),
         )
-        self.node.spawn(send, "moshpit-reply")
-
-    def _saw(self, t: int) -> None:
-        if t > self.max_seen:
-            self.max_seen = t
-
-    def _on_join(self, pkt: Packet) -> None:
-        t, ttl = pkt.fields.get("t"), pkt.fields.get("ttl")
-        if type(t) is not int or not isinstance(ttl, int | float) or t < 0:
-            return
-        self._saw(t)
-        self.beacons[pkt.src] = max(t, self.beacons.get(pkt.src, t))  # it is at round t
-        cur, now = self._cur, self.node.clock.now()
-        if cur is not None and cur.t == t:
-            if cur.assembly is not None:
-                self._admit(cur.assembly, pkt, now)
-            else:  # answered once our own leader answers us or is presumed failed
-                cur.pending.append((pkt, now))
-        elif t > (cur.t if cur is not None else self.next_round - 1):
-            if sum(map(len, self._early.values())) < _MAX_EARLY:
-                self._early[t].append((pkt, now))
-        else:
-            self._reply(pkt.src, {"t": t, "st": "refuse"})
-
-    def _admit(self, asm: _Assembly, pkt: Packet, arrived: float) -> None:
-        """A JOIN for the group we lead (``arrived``: when it reached us)."""
-        now = self.node.clock.now()
-        gives_up = arrived + float(pkt.fields["ttl"]) - self._cfg.reply_margin_s
-        if asm.closed:
-            if asm.first is not None:  # a late member: allow more next time
-                self._spreads.append(now - asm.first)
-            self._reply(pkt.src, {"t": asm.t, "st": "refuse"})
-        elif gives_up < now - self._cfg.reply_margin_s / 2:
-            return  # it has moved on (to another candidate, or alone)
-        elif pkt.src not in asm.joined and len(asm.joined) + 1 >= asm.cap:
-            self._reply(pkt.src, {"t": asm.t, "st": "refuse"})
-        else:
-            asm.joined[pkt.src] = gives_up
-            asm.first = now if asm.first is None else asm.first
-            if pkt.src in asm.expected:
-                asm.last = now
-            asm.wake.set()
-
-    def _settle_pending(self, cur: _Current, how: str) -> None:
-        """Answer the JOINs that came while we were following: redirect or refuse."""
-        pending, cur.pending = cur.pending, []
-        for pkt, _ in pending:
-            if how == "redirect":
-                self._reply(pkt.src, {"t": cur.t, "st": "redirect", "to": cur.leader})
-            else:
-                self._reply(pkt.src, {"t": cur.t, "st": "refuse"})
-
-    def _on_group(self, pkt: Packet) -> None:
-        t, status = pkt.fields.get("t"), pkt.fields.get("st")
-        if type(t) is not int:
-            return
-        cur = self._cur
-        if status == "invite":
-            engaged = cur is not None and cur.t == t and cur.leader != pkt.src
-            if engaged or t < (cur.t if cur is not None else self.next_round):
-                self.node.send(pkt.src, Kind.MOSH_GROUP, {"t": t, "st": "busy"})
-            return  # not at round t yet: the inviter may still see us join
-        if status == "busy":
-            if cur is not None and cur.t == t and cur.assembly is not None:
-                cur.assembly.expected.discard(pkt.src)
-                cur.assembly.wake.set()
-            return
-        if t < self.next_round:
-            return
-        self._replies[(t, pkt.src)] = pkt
-        self._reply_wake.set()
-
-    def _on_heartbeat(self, pkt: Packet) -> None:
-        t = pkt.fields.get("mpt")
-        if type(t) is int:
-            self._saw(t)
-            self.beacons[pkt.src] = t
-
-    def _on_membership(self, event: str, peer: str) -> None:
-        if event == "joined":
-            return
-        self.beacons.pop(peer, None)
-        cur = self._cur
-        if cur is not None and cur.assembly is not None:
-            cur.assembly.wake.set()  # a planned member died: stop waiting for it
-        self._reply_wake.set()  # a leader died: fail over now
+        return rep
