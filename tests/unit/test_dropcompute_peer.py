@@ -22,44 +22,15 @@ from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
 from gossipnet.averaging.dropcompute import Normalise
 from gossipnet.clock import FakeClock
 from gossipnet.noise import LogNormalDelay, NoisePlan
-from gossipnet.testing import MemoryNetwork
+from tests._peers import run_peers as _run_peers
 
 FAST = {"heartbeat_interval_s": 0.05, "failure_timeout_s": 1.0, "collective_timeout_s": 5.0}
 K = 4
 
 
 def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any) -> list[Any]:
-    """``body(rank, peer)`` on ``n`` MemoryNetwork peers in threads; their results."""
-    net = MemoryNetwork()
-    done = threading.Barrier(n, timeout=30)
-    addrs = [f"mem://p{i}" for i in range(n)]
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def worker(i: int) -> None:
-        try:
-            with gossipnet.join(
-                addrs,
-                listen=addrs[i],
-                network=net,
-                secret=b"t",
-                peer_id=f"p{i}",
-                **{**FAST, **config},
-            ) as peer:
-                results[i] = body(i, peer)
-                done.wait()
-        except BaseException as err:
-            errors.append(err)
-            done.abort()
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(40)
-    if errors:
-        raise errors[0]
-    return results
+    """``tests._peers.run_peers`` with this module's fast settings."""
+    return _run_peers(n, body, timeout_s=30, **{**FAST, **config})
 
 
 def grads_of(rank: int) -> torch.Tensor:

@@ -6,7 +6,6 @@ with its own event-loop thread, as under ``gossipnet.join``.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet.testing import MemoryNetwork
+from tests._peers import run_peers as _run_peers
 
 FAST = {
     "heartbeat_interval_s": 0.05,
@@ -25,40 +24,8 @@ FAST = {
 
 
 def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any) -> list[Any]:
-    """Run ``body(rank, peer)`` on ``n`` joined peers in threads; return the results.
-
-    Peers leave only after every body returned, so no peer's departure cuts a
-    round (or a repair) another peer is still in.
-    """
-    net = MemoryNetwork()
-    done = threading.Barrier(n, timeout=60)
-    addrs = [f"mem://p{i}" for i in range(n)]
-    results: list[Any] = [None] * n
-    errors: list[BaseException] = []
-
-    def worker(i: int) -> None:
-        try:
-            with gossipnet.join(
-                addrs,
-                listen=addrs[i],
-                network=net,
-                secret=b"t",
-                peer_id=f"p{i}",
-                **{**FAST, **config},
-            ) as peer:
-                results[i] = body(i, peer)
-                done.wait()
-        except BaseException as err:  # surfaced in the main thread below
-            errors.append(err)
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return results
+    """``tests._peers.run_peers`` with this module's fast settings."""
+    return _run_peers(n, body, timeout_s=60, **{**FAST, **config})
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
