@@ -171,6 +171,32 @@ class Node:
             return False
         return self.transport.send(address, self.codec.encode(kind, fields, payload))
 
+    def send_many(
+        self,
+        peer_ids: Sequence[str],
+        kind: int,
+        fields: Mapping[str, Any] | None = None,
+        payload: Buffer = b"",
+    ) -> int:
+        """Fire-and-forget one packet to each of ``peer_ids``; how many were accepted.
+
+        Why: a broadcast chunk is the same packet for every destination (the
+        replay window is per receiver), so it is encoded and signed once, not
+        once per peer: the MAC is the largest CPU cost of the data path.
+        """
+        if self.transport is None or self._closed or not peer_ids:
+            return 0
+        frames = None
+        sent = 0
+        for peer_id in peer_ids:
+            address = self.membership.address_of(peer_id) if self.membership else None
+            if address is None:
+                continue
+            if frames is None:
+                frames = self.codec.encode(kind, fields, payload)
+            sent += self.transport.send(address, frames)
+        return sent
+
     def send_to_address(
         self,
         address: str,

@@ -14,6 +14,7 @@ __all__ = (
     "GossipError",
     "PeerUnreachable",
     "ProtocolError",
+    "TopologyError",
 )
 
 
@@ -23,6 +24,15 @@ class GossipError(Exception):
 
 class ConfigError(GossipError, ValueError):
     """A configuration value is out of range or inconsistent with another."""
+
+
+class TopologyError(ConfigError):
+    """GPU topology text (``nvidia-smi topo -m``, ``nvlink -s``) could not be parsed.
+
+    A subclass of :class:`ConfigError` (and so of ``ValueError``): a topology is
+    configuration the caller handed in or the driver printed, and the fix is the same,
+    pass a correct one or let ``detect()`` read it.
+    """
 
 
 class ClosedError(GossipError):

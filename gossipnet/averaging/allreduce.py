@@ -40,7 +40,7 @@ import torch
 from .._node import Node
 from ..rounds import CollectiveReport
 from ..transport.wire import DTYPE_CODES, DTYPES, Kind, Packet
-from .chunks import ChunkPlan, ShardMap, all_finite, as_bytes, from_bytes
+from .chunks import ChunkPlan, ShardMap, all_finite, as_bytes, auto_chunk_bytes, from_bytes
 
 __all__ = ("ALLREDUCE_KINDS", "MOSHPIT_KINDS", "EngineKinds", "LossyAllReduce", "OwnedShard")
 
@@ -134,7 +134,7 @@ class _Round:
         src: Sequence[torch.Tensor],
         dst: Sequence[torch.Tensor],
         weight: float,
-        chunk_bytes: int,
+        chunk_bytes: Sequence[int],
         mode: int = 0,
     ) -> None:
         self.r = r
@@ -145,7 +145,10 @@ class _Round:
         # ``send`` (the Transport contract), so the caller may reuse ``src`` afterwards.
         self.src = list(src)
         self.dst = list(dst)
-        self.plans = [ChunkPlan(int(b.numel()), b.dtype, chunk_bytes) for b in self.src]
+        self.plans = [
+            ChunkPlan(int(b.numel()), b.dtype, cb)
+            for b, cb in zip(self.src, chunk_bytes, strict=True)
+        ]
         self.maps = [ShardMap(plan, participants) for plan in self.plans]
         self.owned = [m.chunks_of(me) for m in self.maps]
         self.acc: list[torch.Tensor] = []
@@ -169,7 +172,7 @@ class _Round:
         )
         self.sending = True
         self.pending_ag: list[Packet] = []
-        self.broadcast: list[torch.Tensor] = []  # our averaged shards, kept for repairs
+        self.broadcast: list[bytes] = []  # our averaged shards' bytes, kept for repairs
         self.sent = 0
         self.late = 0
         self.ag_chunks_sent = 0
@@ -276,8 +279,7 @@ class LossyAllReduce:
         deadline = t0 + timeout_s
         r = max(self.next_round, self.max_seen)
         parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
-        chunk_bytes = node.config.chunk_bytes or node.transport.default_chunk_bytes  # type: ignore[union-attr]
-        rnd = _Round(r, node.peer_id, parts, src, dst, weight, chunk_bytes, mode)
+        rnd = _Round(r, node.peer_id, parts, src, dst, weight, self._chunk_sizes(src), mode)
         self._round = rnd
         self.next_round = r + 1
         node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it
@@ -318,6 +320,14 @@ class LossyAllReduce:
             self._round = None
             self._last = rnd
             node.beacon[self.tag] = self.next_round
+
+    def _chunk_sizes(self, src: Sequence[torch.Tensor]) -> list[int]:
+        """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket."""
+        fixed = self.node.config.chunk_bytes
+        transport = self.node.transport
+        base = transport.default_chunk_bytes if transport is not None else 64 * 1024
+        cap = getattr(transport, "max_chunk_bytes", base)
+        return [fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap) for b in src]
 
     async def _send_rs(self, rnd: _Round, weight: float) -> None:
         node = self.node
@@ -390,10 +400,11 @@ class LossyAllReduce:
             out.copy_(value)  # cast to the bucket dtype
             plan = rnd.plans[b]
             code = DTYPE_CODES[out.dtype]
-            # sent from a private copy: ``dst`` changes after the round, queued sends don't
-            mine = out.clone()
+            # sent from a private copy: ``dst`` changes after the round, queued sends don't;
+            # ``bytes`` so that ZeroMQ sends it to every destination without copying
+            mine = bytes(as_bytes(out))
             rnd.broadcast.append(mine)
-            raw = as_bytes(mine)
+            raw = memoryview(mine)
             base = shard.start * plan.itemsize
             owned = rnd.owned[b]
             for c in owned:
@@ -404,15 +415,15 @@ class LossyAllReduce:
                 span = plan.byte_slice(c)
                 payload = raw[span.start - base : span.stop - base]
                 fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
-                for peer in others:
-                    if node.send(peer, self.k.ag_data, fields, payload):
-                        rnd.sent += 1
-                    sent += 1
-                    if sent % _YIELD_EVERY == 0:
-                        await asyncio.sleep(0)
-        for peer in others:
-            for _ in range(END_COPIES):
-                node.send(peer, self.k.ag_end, {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent})
+                # one encoding (one MAC) for every destination
+                rnd.sent += node.send_many(others, self.k.ag_data, fields, payload)
+                sent += len(others)
+                if sent >= _YIELD_EVERY:
+                    sent = 0
+                    await asyncio.sleep(0)
+        end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent}
+        for _ in range(END_COPIES):
+            node.send_many(others, self.k.ag_end, end)
 
     async def _wait_phase(
         self, phase: _Phase, name: str, deadline: float, expected: Callable[[str], int]
@@ -520,10 +531,9 @@ class LossyAllReduce:
             return
         chunks = from_bytes(pkt.payload, torch.int32, len(pkt.payload) // 4).tolist()
         plan, owned = rnd.plans[b], rnd.owned[b]
-        mine = rnd.broadcast[b]
-        raw = as_bytes(mine)
+        raw = memoryview(rnd.broadcast[b])
         base = owned.start * plan.chunk_elems * plan.itemsize
-        code = DTYPE_CODES[mine.dtype]
+        code = DTYPE_CODES[rnd.dst[b].dtype]
         for c in chunks[:4096]:
             if c not in owned:
                 continue

@@ -26,7 +26,34 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ("ChunkPlan", "FlatBuffer", "ShardMap", "all_finite", "as_bytes", "from_bytes")
+__all__ = (
+    "ChunkPlan",
+    "FlatBuffer",
+    "ShardMap",
+    "all_finite",
+    "as_bytes",
+    "auto_chunk_bytes",
+    "from_bytes",
+)
+
+#: A bucket is cut into at least this many chunks before chunks grow past the base size.
+AUTO_CHUNKS = 16
+
+
+def auto_chunk_bytes(nbytes: int, base: int, cap: int) -> int:
+    """Chunk size for a bucket of ``nbytes``: ``base``, grown up to ``cap`` for big buckets.
+
+    Why: per-packet costs (Python, thread wake-ups, syscalls) dominate with
+    small chunks, while chunks much larger than ``nbytes / AUTO_CHUNKS`` leave
+    too few chunks to spread ownership over the peers.  The size depends only
+    on the bucket's byte size, so every peer computes the same plan.  A
+    multiple of ``base``, hence element-aligned whenever ``base`` is.
+    """
+    if cap <= base:
+        return base
+    want = -(-nbytes // AUTO_CHUNKS)
+    return max(base, min(cap // base * base, -(-want // base) * base))
+
 
 # The exact text of the warning ``torch.frombuffer`` emits for a read-only buffer.
 _READONLY_WARNING = "The given buffer is not writable"

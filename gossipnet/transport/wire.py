@@ -36,6 +36,7 @@ import torch
 
 from ..clock import Clock, MonotonicClock
 from ..config import Config
+from ._mac import make_signer
 from .base import Buffer
 
 __all__ = (
@@ -53,7 +54,7 @@ __all__ = (
 log = logging.getLogger(__name__)
 
 VERSION = 1
-MAC_BYTES = 16
+MAC_BYTES = 16  # the tag; the MAC frame is ``WireCodec.mac_bytes`` long (28 for aes-gmac)
 #: Header keys the codec owns; caller fields may not use them.
 RESERVED_KEYS = frozenset({"v", "run", "src", "e", "q", "k"})
 
@@ -81,8 +82,8 @@ class Kind(IntEnum):
     """Packet kinds, by range so a dispatcher can tell the owner at a glance.
 
     1-15 node/membership, 16-31 all-reduce/broadcast, 32-47 Moshpit,
-    48-63 state transfer.  Decoding does not reject unknown kinds (a newer
-    peer may send one); the node counts them as unhandled.
+    48-63 state transfer, 64-79 route gossip.  Decoding does not reject unknown
+    kinds (a newer peer may send one); the node counts them as unhandled.
     """
 
     HELLO = 1
@@ -107,6 +108,9 @@ class Kind(IntEnum):
     MOSH_REPAIR = 38
     STATE_REQ = 48
     STATE_DATA = 49
+    ROUTE_DATA = 64
+    ROUTE_RECEIPT = 65
+    ROUTE_SHARE = 66
 
 
 @dataclass(slots=True, frozen=True)
@@ -211,13 +215,8 @@ class WireCodec:
         self.clock: Clock = clock or MonotonicClock()
         self.rejects: collections.Counter[str] = collections.Counter()
         self.accepted = 0
-        key = _derive_key(bytes(secret or b""), config.run)
-        # Pre-keyed hash; .copy() per packet skips re-deriving the HMAC pads.
-        self._mac: Any = (
-            hashlib.blake2b(key=key, digest_size=MAC_BYTES)
-            if config.mac == "blake2b"
-            else hmac.new(key, digestmod=hashlib.sha256)
-        )
+        self._signer = make_signer(config.mac, _derive_key(bytes(secret or b""), config.run))
+        self.mac_bytes = self._signer.size  # length of the MAC frame
         self._base = {"v": VERSION, "run": config.run, "src": src, "e": self.epoch}
         self._seq = itertools.count()  # next() is atomic under the GIL
         self._window = config.replay_window_packets
@@ -263,19 +262,7 @@ class WireCodec:
             raise ValueError(
                 f"header of {size} B > Config.max_header_bytes; move data to the payload"
             )
-        return [head, payload, self._digest(head, payload)]
-
-    def _digest(self, head: Buffer, payload: Buffer) -> bytes:
-        """MAC over ``len(header) (4 B big-endian) || header || payload``.
-
-        The length prefix makes the header/payload split part of what is
-        signed, so bytes cannot be moved from one frame to the other.
-        """
-        h = self._mac.copy()
-        h.update(len(head).to_bytes(4, "big"))
-        h.update(head)
-        h.update(payload)
-        return h.digest()[:MAC_BYTES]
+        return [head, payload, self._signer.sign(head, payload)]
 
     # ------------------------------------------------------------------ decode
     def decode(self, frames: Sequence[Buffer]) -> Packet | None:
@@ -305,9 +292,9 @@ class WireCodec:
             return self._reject("header_size", None)
         if len(payload) > cfg.max_payload_bytes:
             return self._reject("payload_size", None)
-        if len(mac) != MAC_BYTES:
+        if len(mac) != self.mac_bytes:
             return self._reject("mac_size", None)
-        if not hmac.compare_digest(self._digest(head, payload), mac):
+        if not self._signer.verify(head, payload, mac):
             return self._reject("mac", None)
         try:
             header = self._unpack(head)

@@ -117,6 +117,10 @@ class ZmqTransport(Transport):
     # 256 KiB: per-packet Python costs ~40 us, so 64 KiB chunks spend more time in
     # per-packet overhead than in moving bytes (bench/allreduce.py measured 1.3x CPU)
     default_chunk_bytes: ClassVar[int] = 256 * 1024
+    # Large buckets go in chunks of up to 1 MiB (averaging.chunks.auto_chunk_bytes):
+    # each packet costs two thread wake-ups per process on top of its Python cost,
+    # and 1 MiB chunks cut the all-reduce's CPU by a further ~30% at 16 MB.
+    max_chunk_bytes: ClassVar[int] = 1024 * 1024
 
     def __init__(
         self,

@@ -321,5 +321,20 @@ def test_public_names_are_pinned() -> None:
         "ShardMap",
         "all_finite",
         "as_bytes",
+        "auto_chunk_bytes",
         "from_bytes",
     )
+
+
+def test_auto_chunk_bytes_grows_with_the_bucket_within_bounds() -> None:
+    from gossipnet.averaging.chunks import AUTO_CHUNKS, auto_chunk_bytes
+
+    base, cap = 256 * 1024, 1024 * 1024
+    assert auto_chunk_bytes(1000, base, cap) == base  # small buckets keep the base size
+    assert auto_chunk_bytes(AUTO_CHUNKS * base, base, cap) == base
+    assert auto_chunk_bytes(AUTO_CHUNKS * base + 1, base, cap) == 2 * base
+    assert auto_chunk_bytes(10**9, base, cap) == cap  # never past the cap
+    assert auto_chunk_bytes(10**9, 1024, 1024) == 1024  # no growth where cap <= base (UDP)
+    for n in range(0, 40 * base, 977 * 13):
+        size = auto_chunk_bytes(n, base, cap)
+        assert size % base == 0 and base <= size <= cap

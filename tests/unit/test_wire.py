@@ -16,6 +16,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -48,13 +49,22 @@ def codec(
     return WireCodec(secret, cfg, src, clock=FakeClock(), **kw)
 
 
+def run_key(secret: bytes = SECRET, run: str = "gossipnet") -> bytes:
+    return hmac.new(secret, b"gossipnet/v1/" + run.encode(), hashlib.sha256).digest()
+
+
 def sign(
-    head: bytes, payload: bytes = b"", *, secret: bytes = SECRET, run: str = "gossipnet"
+    head: bytes,
+    payload: bytes = b"",
+    *,
+    secret: bytes = SECRET,
+    run: str = "gossipnet",
+    nonce: bytes = bytes(12),
 ) -> list[bytes]:
-    """Frames for ``head``/``payload`` with a valid HMAC-SHA256 tag, built from the spec."""
-    key = hmac.new(secret, b"gossipnet/v1/" + run.encode(), hashlib.sha256).digest()
-    tag = hmac.new(key, len(head).to_bytes(4, "big") + head + payload, hashlib.sha256).digest()
-    return [head, payload, tag[:16]]
+    """Frames for ``head``/``payload`` with a valid AES-GMAC (the default), built from the spec."""
+    msg = len(head).to_bytes(4, "big") + head + payload
+    tag = AESGCM(run_key(secret, run)).encrypt(nonce, b"", msg)
+    return [head, payload, tag + nonce]
 
 
 def header(**overrides: Any) -> bytes:
@@ -94,7 +104,7 @@ def test_dtype_tables_are_inverse_and_kinds_in_ranges() -> None:
     assert [Kind.RS_DATA, Kind.AG_DATA, Kind.BCAST, Kind.ROUND] == [16, 17, 18, 19]
 
 
-@pytest.mark.parametrize("mac", ["hmac-sha256", "blake2b"])
+@pytest.mark.parametrize("mac", ["aes-gmac", "hmac-sha256", "blake2b"])
 @pytest.mark.parametrize("code", sorted(DTYPES))
 def test_round_trip_every_dtype(code: str, mac: str) -> None:
     cfg = Config(mac=mac)
@@ -112,17 +122,23 @@ def test_round_trip_every_dtype(code: str, mac: str) -> None:
     assert not rx.rejects
 
 
-@pytest.mark.parametrize("mac", ["hmac-sha256", "blake2b"])
-def test_mac_is_the_documented_construction(mac: str) -> None:
+@pytest.mark.parametrize("mac", ["aes-gmac", "hmac-sha256", "blake2b"])
+@pytest.mark.parametrize("size", [2, 9000])  # both sides of the one-shot/streaming GMAC split
+def test_mac_is_the_documented_construction(mac: str, size: int) -> None:
     tx = codec(cfg=Config(mac=mac, run="r1"), epoch=7)
-    head, _, tag = tx.encode(Kind.HELLO, {"x": 1}, b"pp")
-    key = hmac.new(SECRET, b"gossipnet/v1/r1", hashlib.sha256).digest()
-    msg = len(head).to_bytes(4, "big") + bytes(head) + b"pp"
+    payload = bytes(range(256)) * (size // 256) + b"p" * (size % 256)
+    head, _, tag = tx.encode(Kind.HELLO, {"x": 1}, payload)
+    key = run_key(run="r1")
+    msg = len(head).to_bytes(4, "big") + bytes(head) + payload
     if mac == "blake2b":
         expected = hashlib.blake2b(msg, key=key, digest_size=16).digest()
+    elif mac == "aes-gmac":
+        assert len(tag) == tx.mac_bytes == 28
+        expected = AESGCM(key).encrypt(tag[16:], b"", msg) + tag[16:]
     else:
         expected = hmac.new(key, msg, hashlib.sha256).digest()[:16]
     assert tag == expected
+    assert codec("b", cfg=Config(mac=mac, run="r1")).decode([head, payload, tag]) is not None
     assert msgpack.unpackb(head) == {
         "v": 1,
         "run": "r1",
@@ -217,10 +233,11 @@ REJECTS: list[tuple[str, Any, str]] = [
     ("flipped header", lambda: _flip(_valid(), 0, 3), "mac"),
     ("flipped payload", lambda: _flip(_valid(), 1), "mac"),
     ("flipped mac", lambda: _flip(_valid(), 2, 15), "mac"),
+    ("flipped nonce", lambda: _flip(_valid(), 2, 20), "mac"),
     ("wrong secret", lambda: _valid(secret=b"other"), "mac"),
     ("no secret", lambda: _valid(secret=None), "mac"),
     ("other run", lambda: _valid(cfg=Config(run="other")), "mac"),
-    ("other mac algorithm", lambda: _valid(cfg=Config(mac="blake2b")), "mac"),
+    ("other mac algorithm", lambda: _valid(cfg=Config(mac="blake2b")), "mac_size"),
     ("bytes moved across frames", lambda: [*sign(header() + b"p", b"ayload")[:2], _tag()], "mac"),
     ("list header", lambda: sign(msgpack.packb([1, 2])), "header_parse"),
     ("int header", lambda: sign(msgpack.packb(7)), "header_parse"),
@@ -369,6 +386,7 @@ frame_values = st.one_of(
     st.integers(),
     st.text(max_size=4),
     st.binary(min_size=16, max_size=16),
+    st.binary(min_size=28, max_size=28),
 )
 
 
@@ -452,3 +470,14 @@ def test_ten_thousand_random_packets_leave_the_codec_working() -> None:
     assert rx.accepted == fresh  # every fresh packet in, every replay and forgery out
     assert "internal" not in rx.rejects
     assert rx.decode(tx.encode(Kind.HELLO, {"ok": True})) is not None
+
+
+def test_gmac_nonces_never_repeat_and_large_payloads_verify() -> None:
+    tx, rx = codec("a"), codec("b")
+    big = bytes(range(256)) * 1024  # 256 KiB: the streaming GMAC path
+    frames = [tx.encode(Kind.RS_DATA, {"dt": "u8", "n": len(big)}, big) for _ in range(50)]
+    nonces = {bytes(f[2][16:]) for f in frames}
+    assert len(nonces) == 50
+    assert all(rx.decode(f) is not None for f in frames)
+    other = codec("c")  # another signer of the same run starts elsewhere in nonce space
+    assert bytes(other.encode(Kind.HELLO)[2][16:]) not in nonces
