@@ -10,8 +10,11 @@ TCP, stdlib sources as text) at several loss rates with the same model, data
 and fault seeds, and reports each run's final held-out perplexity divided by
 the lossless run's (``rel_ppl``; 1.0 = no harm).
 
-Rows: random (Bernoulli) loss 0, 1, 5, 10, 20, 30% and one bursty plan
-(Gilbert-Elliott, 10% mean loss in bursts of 8 packets on average).
+Rows: random (Bernoulli) loss 0, 1, 5, 10, 20, 30%, one bursty plan
+(Gilbert-Elliott, 10% mean loss in bursts of 8 packets on average), and 10%
+and 20% with ``Config.redundancy=2`` (``r2``: every data packet sent twice,
+the copy trailing by a few hundred packets; no retransmission, no waiting,
+twice the data traffic), which turns a loss rate p into about p^2.
 ``--seeds K`` repeats every row with K data seeds and averages ``rel_ppl``
 over seeds (paired: each seed's lossy run against the same seed's lossless one).
 
@@ -59,23 +62,28 @@ from gossipnet._demo import (
     sample_windows,
 )
 
-Plan = tuple[float, float | None]  # (mean loss rate, mean burst length in packets or None)
+#: (mean loss rate, mean burst length in packets or None, copies of each data packet)
+Plan = tuple[float, float | None, int]
 FULL_PLANS: tuple[Plan, ...] = (
-    (0.0, None),
-    (0.01, None),
-    (0.05, None),
-    (0.1, None),
-    (0.2, None),
-    (0.3, None),
-    (0.1, 8.0),
+    (0.0, None, 1),
+    (0.01, None, 1),
+    (0.05, None, 1),
+    (0.1, None, 1),
+    (0.2, None, 1),
+    (0.3, None, 1),
+    (0.1, 8.0, 1),
+    (0.1, None, 2),
+    (0.2, None, 2),
 )
-QUICK_PLANS: tuple[Plan, ...] = ((0.0, None), (0.1, None))
+QUICK_PLANS: tuple[Plan, ...] = ((0.0, None, 1), (0.1, None, 1), (0.1, None, 2))
 TARGET_REL_PPL_AT_10 = 1.01  # the paper's headline: <= 0.8% at 10% loss (LLaMA-2 7B)
 
 
-def key(loss: float, burst: float | None) -> str:
-    """The JSON key of a plan: ``"0.1"``, or ``"0.1x8"`` for bursts of 8 packets."""
-    return f"{loss:g}" if burst is None else f"{loss:g}x{burst:g}"
+def key(loss: float, burst: float | None, copies: int = 1) -> str:
+    """The JSON key of a plan: ``"0.1"``, ``"0.1x8"`` for bursts of 8 packets,
+    ``"0.1r2"`` with two copies of every data packet (``Config.redundancy=2``)."""
+    text = f"{loss:g}" if burst is None else f"{loss:g}x{burst:g}"
+    return text + (f"r{copies}" if copies > 1 else "")
 
 
 def ideal_eval_loss(cfg: DemoConfig) -> float:
@@ -102,8 +110,10 @@ def ideal_eval_loss(cfg: DemoConfig) -> float:
     m, v = torch.zeros(size), torch.zeros(size)
     drops = torch.Generator().manual_seed(cfg.seed)
 
+    lost = cfg.loss**cfg.redundancy  # every copy lost
+
     def arrived() -> torch.Tensor:  # per (replica, element): its chunk's packet arrived
-        ok = torch.rand(n, nchunks, generator=drops) >= cfg.loss
+        ok = torch.rand(n, nchunks, generator=drops) >= lost
         return ok.repeat_interleave(elems, dim=1)[:, :size] | own
 
     for step in range(cfg.steps):
@@ -146,9 +156,9 @@ def main() -> None:
         eval_every=10**9,  # the final evaluation only: it is all this bench reads
     )
     cfgs = [
-        dataclasses.replace(base, loss=loss, burst=burst, data_seed=seed)
+        dataclasses.replace(base, loss=loss, burst=burst, redundancy=copies, data_seed=seed)
         for seed in range(args.seeds)
-        for loss, burst in plans
+        for loss, burst, copies in plans
     ]
     print(f"quality: {len(cfgs)} runs of {base.steps} steps on {base.peers} peers "
           f"(strategy {base.strategy}), one set of processes", flush=True)  # fmt: skip
@@ -156,13 +166,15 @@ def main() -> None:
     results = run_demos(cfgs)
     by_plan: dict[str, list[DemoResult]] = {}
     for res in results:
-        by_plan.setdefault(key(res.config.loss, res.config.burst), []).append(res)
+        by_plan.setdefault(
+            key(res.config.loss, res.config.burst, res.config.redundancy), []
+        ).append(res)
     ideal: dict[str, float] = {}
     if args.ideal:  # Bernoulli plans only: the simulation has no bursts
         sims: dict[str, list[float]] = {}
         for c in cfgs:
             if c.burst is None:
-                sims.setdefault(key(c.loss, None), []).append(ideal_eval_loss(c))
+                sims.setdefault(key(c.loss, None, c.redundancy), []).append(ideal_eval_loss(c))
         ref = sims[key(0.0, None)]
         for k, losses in sims.items():  # ppl ratio = exp(loss difference), paired by seed
             ideal[k] = statistics.fmean(math.exp(a - b) for a, b in zip(losses, ref, strict=True))

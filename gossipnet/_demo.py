@@ -79,6 +79,7 @@ class DemoConfig:
     strategy: str = "allreduce"
     chunk_bytes: int | None = 16384
     resync_every: int = 100
+    redundancy: int = 1  # Config.redundancy: copies of every data packet
     timeout_s: float = 2.0  # per collective: 30x a loaded round on loopback; caps stalls
     corpus_bytes: int = 4_000_000
 
@@ -93,6 +94,8 @@ class DemoConfig:
             raise ValueError(f"burst is a mean burst length in packets (>= 1), got {self.burst}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not 1 <= self.redundancy <= 8:
+            raise ValueError(f"redundancy must be in [1, 8], got {self.redundancy}")
         if self.eval_every < 1 or self.eval_windows < 1:
             raise ValueError("eval_every and eval_windows must be >= 1")
 
@@ -107,7 +110,8 @@ class DemoConfig:
     def label(self) -> str:
         """A short name for tables and plot legends, e.g. ``loss=10% burst=8``."""
         text = f"loss={self.loss:.0%}" if self.loss else "lossless"
-        return text + (f" burst={self.burst:g}" if self.burst and self.loss else "")
+        text += f" burst={self.burst:g}" if self.burst and self.loss else ""
+        return text + (f" x{self.redundancy} copies" if self.redundancy > 1 else "")
 
 
 @dataclass(slots=True)
@@ -332,7 +336,10 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
     torch.manual_seed(cfg.model_seed)  # the same initial weights on every peer
     model = CharLM(cfg)
     base = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    overrides: dict[str, Any] = {"resync_every_steps": cfg.resync_every}
+    overrides: dict[str, Any] = {
+        "resync_every_steps": cfg.resync_every,
+        "redundancy": cfg.redundancy,
+    }
     if cfg.chunk_bytes is not None:
         overrides["chunk_bytes"] = cfg.chunk_bytes
     with join(

@@ -186,15 +186,22 @@ class Node:
         """
         if self.transport is None or self._closed or not peer_ids:
             return 0
-        frames = None
+        return self.send_frames(peer_ids, self.codec.encode(kind, fields, payload))
+
+    def send_frames(self, peer_ids: Sequence[str], frames: list[Buffer]) -> int:
+        """Send already encoded ``frames`` to each of ``peer_ids``; how many were accepted.
+
+        A second send of the same frames is the same packet (same sequence
+        number): a receiver that got the first copy drops the second as a replay,
+        which is what redundant copies (``Config.redundancy``) rely on.
+        """
+        if self.transport is None or self._closed:
+            return 0
         sent = 0
         for peer_id in peer_ids:
             address = self.membership.address_of(peer_id) if self.membership else None
-            if address is None:
-                continue
-            if frames is None:
-                frames = self.codec.encode(kind, fields, payload)
-            sent += self.transport.send(address, frames)
+            if address is not None:
+                sent += self.transport.send(address, frames)
         return sent
 
     def send_to_address(

@@ -82,6 +82,13 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunk-bytes", type=int, default=d.chunk_bytes, help="payload bytes per data packet"
     )
+    p.add_argument(
+        "--redundancy",
+        type=int,
+        default=d.redundancy,
+        metavar="K",
+        help="send every data packet K times (loss p becomes ~p^K, K x the traffic)",
+    )
     p.add_argument("--compare", action="store_true", help="run lossless first, plot both")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
@@ -95,6 +102,7 @@ def _demo_config(args: argparse.Namespace) -> Any:
         steps=args.steps,
         loss=args.loss,
         burst=args.burst,
+        redundancy=args.redundancy,
         seed=args.seed,
         data_seed=args.data_seed,
         strategy=args.strategy,
@@ -230,7 +238,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     configs = [lossy]
     if args.compare:  # both runs on one set of processes: half the start-up
-        configs.insert(0, dataclasses.replace(lossy, loss=0.0, burst=None))
+        configs.insert(0, dataclasses.replace(lossy, loss=0.0, burst=None, redundancy=1))
     bars = [_Progress(c.label(), c.steps, c.peers) for c in configs]
 
     def on_step(run: int, rec: Any) -> None:

@@ -1,0 +1,171 @@
+"""State of one all-reduce round on one peer: phases, accumulators, the report.
+
+Split from :mod:`gossipnet.averaging.allreduce` so the engine module holds the
+protocol (what is sent when, what a packet does) and this one the bookkeeping
+it updates: per-phase END accounting, per-chunk weights and counts, which
+all-gather chunks arrived, and the :class:`CollectiveReport` built from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..rounds import CollectiveReport
+from ..transport.wire import Packet
+from .chunks import ChunkPlan, ShardMap
+
+__all__ = ("OwnedShard", "Phase", "Round")
+
+
+@dataclass(slots=True)
+class OwnedShard:
+    """This peer's shard of one bucket after the reduce-scatter."""
+
+    bucket: int
+    start: int  # element offset in the bucket
+    average: torch.Tensor  # averaged values (float32/float64), length = shard size
+    weights: torch.Tensor  # per owned chunk: sum of weights that arrived
+    contributors: torch.Tensor  # per owned chunk: number of contributions that arrived
+
+
+@dataclass
+class Phase:
+    """END bookkeeping of one phase (reduce-scatter or all-gather)."""
+
+    expected: set[str]
+    start: float = 0.0
+    done: set[str] = field(default_factory=set)
+    declared: dict[str, int] = field(default_factory=dict)
+    received: collections.Counter[str] = field(default_factory=collections.Counter)
+    first: dict[str, float] = field(default_factory=dict)  # first arrival per sender
+    last: dict[str, float] = field(default_factory=dict)  # latest arrival per sender
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def complete(self) -> bool:
+        return self.expected <= self.done
+
+    def arrived(self, src: str, now: float) -> None:
+        if src not in self.first:
+            self.first[src] = now
+            self.wake.set()  # a new sender is active: its own deadline starts now
+        self.last[src] = now
+
+    def finish(self, src: str, now: float) -> float:
+        """``src`` is complete; return its span per packet (first arrival to END / count).
+
+        Per packet, so a history learned on small tensors still fits large ones.
+        """
+        self.arrived(src, now)
+        self.done.add(src)
+        self.wake.set()
+        return (now - self.first[src]) / max(1, self.received[src])
+
+
+class Round:
+    """State of one collective round on this peer."""
+
+    def __init__(
+        self,
+        r: int,
+        me: str,
+        participants: tuple[str, ...],
+        src: Sequence[torch.Tensor],
+        dst: Sequence[torch.Tensor],
+        weight: float,
+        chunk_bytes: Sequence[int],
+        mode: int = 0,
+        redundancy: int = 1,
+    ) -> None:
+        self.r = r
+        self.mode = mode
+        self.me = me
+        self.participants = participants
+        self.members = frozenset(participants)
+        # No private copy: every backend copies (or freezes) mutable frames inside
+        # ``send`` (the Transport contract), so the caller may reuse ``src`` afterwards.
+        self.src = list(src)
+        self.dst = list(dst)
+        self.plans = [
+            ChunkPlan(int(b.numel()), b.dtype, cb)
+            for b, cb in zip(self.src, chunk_bytes, strict=True)
+        ]
+        self.maps = [ShardMap(plan, participants) for plan in self.plans]
+        self.owned = [m.chunks_of(me) for m in self.maps]
+        self.acc: list[torch.Tensor] = []
+        self.wsum: list[torch.Tensor] = []
+        self.count: list[torch.Tensor] = []
+        for b, buf in enumerate(self.src):
+            span = self.maps[b].owned_range(me)
+            acc_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
+            own = buf.narrow(0, span.start, len(span))
+            self.acc.append(own.to(acc_dtype) * weight)
+            n_owned = len(self.owned[b])
+            self.wsum.append(torch.full((n_owned,), float(weight), dtype=torch.float64))
+            self.count.append(torch.ones(n_owned, dtype=torch.int32))
+        self.seen: set[tuple[str, int, int]] = set()
+        self.got = [torch.zeros(p.nchunks, dtype=torch.bool) for p in self.plans]
+        others = {p for p in participants if p != me}
+        owns_any = any(len(o) for o in self.owned)
+        self.rs = Phase(expected=set(others) if owns_any else set())
+        self.ag = Phase(expected={p for p in others if any(len(m.chunks_of(p)) for m in self.maps)})
+        self.sending = True
+        self.pending_ag: list[Packet] = []
+        self.broadcast: list[bytes] = []  # our averaged shards' bytes, kept for repairs
+        self.sent = 0
+        self.late = 0
+        self.ag_chunks_sent = 0
+        self.redundancy = redundancy
+        self.copies_sent = 0
+        # what a sender that shares our view sends us; receiving all of it completes
+        # that sender even if all its END copies were lost
+        self.expect_rs = sum(len(o) for o in self.owned)
+
+    def rs_expected(self, peer: str) -> int:
+        """Reduce-scatter packets ``peer`` sends us if it shares our view."""
+        return self.expect_rs
+
+    def ag_expected(self, peer: str) -> int:
+        """All-gather packets ``peer`` sends us if it shares our view (its owned chunks)."""
+        return sum(len(m.chunks_of(peer)) for m in self.maps if peer in m.participants)
+
+    def report(self, elapsed: float, timed_out: bool) -> CollectiveReport:
+        """The round's :class:`CollectiveReport`: who contributed, sent, received, lost."""
+        rnd = self
+        expected = 0
+        received = 0
+        for phase, default in ((rnd.rs, self.rs_expected), (rnd.ag, self.ag_expected)):
+            for peer in phase.expected | phase.done:
+                expected += phase.declared.get(peer, default(peer))
+            received += sum(phase.received.values())
+        contributors = {rnd.me} | set(rnd.rs.received) | set(rnd.ag.received)
+        stale = 0
+        total = 0
+        for b, plan in enumerate(rnd.plans):
+            total += plan.nchunks
+            mask = rnd.got[b].clone()
+            owned = rnd.owned[b]
+            mask[owned.start : owned.stop] = True
+            stale += int((~mask).sum())
+        lost = max(0, expected - received)
+        return CollectiveReport(
+            round=rnd.r,
+            method="allreduce",
+            participants=rnd.participants,
+            contributors=tuple(sorted(contributors)),
+            missing=tuple(sorted(set(rnd.participants) - contributors)),
+            packets_sent=rnd.sent,
+            packets_received=received,
+            packets_lost=lost,
+            chunks_total=total,
+            chunks_stale=stale,
+            delivered_fraction=received / expected if expected else 1.0,
+            elapsed_s=elapsed,
+            timed_out=timed_out,
+            extra={"late": float(rnd.late), "copies_sent": float(rnd.copies_sent)},
+        )
