@@ -14,6 +14,8 @@ from .averaging.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
 from .clock import Clock, FakeClock, MonotonicClock
 from .config import Config
 from .errors import ClosedError, ConfigError, GossipError, PeerUnreachable, ProtocolError
+from .mobility.radio import RadioModel
+from .mobility.routes import Route
 from .optim import GossipOptimizer
 from .peer import Peer, join
 from .rounds import CollectiveReport
@@ -42,6 +44,8 @@ __all__ = (
     "Peer",
     "PeerUnreachable",
     "ProtocolError",
+    "RadioModel",
+    "Route",
     "TauPolicy",
     "__version__",
     "join",

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._moshpit_optim import MoshpitStrategy
+from ._route_optim import RouteStrategy
 from .averaging.allreduce import LossyAllReduce, OwnedShard
 from .averaging.chunks import FlatBuffer, all_finite
 from .errors import ConfigError
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 
 MODE_GRADS = 0
 MODE_RESYNC = 1
-STRATEGIES = ("allreduce", "moshpit")
+STRATEGIES = ("allreduce", "moshpit", "route")
+LOCAL_STEP = ("moshpit", "route")  # strategies that step ``base`` locally, then average
 
 ShardKey = tuple[tuple[int, int, int], ...]  # (bucket, start, length) per owned shard
 
@@ -59,7 +61,10 @@ class GossipOptimizer:
             parameters every ``average_every`` steps; state download on join; see
             :class:`gossipnet._moshpit_optim.MoshpitStrategy` for ``moshpit_options``:
             ``average_state``, ``sync_state``, ``group_size``, ``rounds``,
-            ``checkpoint``, ``checkpoint_every``, ``sync_timeout``).
+            ``checkpoint``, ``checkpoint_every``, ``sync_timeout``), or ``"route"``
+            (local steps, route-aware gossip of the parameters every ``average_every``
+            steps on the links the shared routes predict; options ``rounds``,
+            ``average_state``: :class:`gossipnet._route_optim.RouteStrategy`).
         resync_every_steps: resync period in rounds (default from ``Config``; 0 = only
             the first round).
         timeout: bound of one step's collective in seconds.
@@ -79,10 +84,13 @@ class GossipOptimizer:
         average_every: int = 1,
         **moshpit_options: Any,
     ) -> None:
-        if moshpit_options and strategy != "moshpit":
-            raise ConfigError(f"options {sorted(moshpit_options)} need strategy='moshpit'")
         if strategy not in STRATEGIES:
             raise ConfigError(f"strategy {strategy!r} is not available; choose one of {STRATEGIES}")
+        if moshpit_options and strategy not in LOCAL_STEP:
+            raise ConfigError(f"options {sorted(moshpit_options)} need strategy='moshpit'")
+        if strategy == "route" and set(moshpit_options) - {"rounds", "average_state"}:
+            bad = sorted(set(moshpit_options) - {"rounds", "average_state"})
+            raise ConfigError(f"options {bad} do not apply to strategy='route'")
         self.peer = peer
         self.base = base
         self.strategy = strategy
@@ -98,7 +106,9 @@ class GossipOptimizer:
             raise ValueError("the optimizer has no parameter that requires grad")
         self.param_flats = [FlatBuffer.adopt(ps) if ps else None for ps in self.groups]
         self.grad_flats = [  # the moshpit strategy steps locally: no gradient buckets
-            FlatBuffer([torch.zeros_like(p) for p in ps]) if ps and strategy != "moshpit" else None
+            FlatBuffer([torch.zeros_like(p) for p in ps])
+            if ps and strategy not in LOCAL_STEP
+            else None
             for ps in self.groups
         ]
         self.bucket_group: list[int] = []
@@ -115,6 +125,9 @@ class GossipOptimizer:
         self._moshpit: MoshpitStrategy | None = None
         if strategy == "moshpit":
             self._moshpit = MoshpitStrategy(self, average_every=average_every, **moshpit_options)
+        self._route: RouteStrategy | None = None
+        if strategy == "route":
+            self._route = RouteStrategy(self, average_every=average_every, **moshpit_options)
 
     # ------------------------------------------------------------------ public
     @property
@@ -140,10 +153,13 @@ class GossipOptimizer:
         Returns the gradient round's :class:`CollectiveReport` (also in
         ``last_report``; a resync's report is in ``last_resync``).  With
         ``strategy="moshpit"``: a local step, and every ``average_every`` steps the
-        Moshpit averaging's report (else a ``method="local"`` one).
+        Moshpit averaging's report (else a ``method="local"`` one); the same with
+        ``strategy="route"`` and its gossip round's report.
         """
         if self._moshpit is not None:
             return self._moshpit.step(closure, weight)
+        if self._route is not None:
+            return self._route.step(closure, weight)
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -185,6 +201,8 @@ class GossipOptimizer:
         """Average parameters now and repair every lost chunk (replicas become equal)."""
         if self._moshpit is not None:
             return self._moshpit.average()
+        if self._route is not None:
+            return self._route.average()
         params = self._param_buckets()
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         report = self.peer._call(self._resync(staged), self.timeout * 2 + 30)
@@ -333,6 +351,8 @@ class GossipOptimizer:
         """
         if self._moshpit is not None:
             return self._moshpit.state_dict()
+        if self._route is not None:
+            return self._route.state_dict()
         params = self._param_buckets()
         return {
             "step_count": self.step_count,
@@ -347,6 +367,9 @@ class GossipOptimizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._moshpit is not None:
             self._moshpit.load_state_dict(state)
+            return
+        if self._route is not None:
+            self._route.load_state_dict(state)
             return
         self.step_count = int(state["step_count"])
         for g, saved in zip(self.base.param_groups, state["param_groups"], strict=True):

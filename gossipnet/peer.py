@@ -23,14 +23,19 @@ from . import _signals
 from ._loop import LoopThread
 from ._microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
 from ._node import Node
+from ._route_optim import route_average
 from .averaging.allreduce import LossyAllReduce
 from .averaging.chunks import FlatBuffer, all_finite
 from .averaging.dropcompute import Normalise
 from .averaging.moshpit import MoshpitAverager
+from .averaging.route import RouteAverager, RouteTime
 from .averaging.statesync import StateSync
 from .clock import Clock
 from .config import Config
 from .errors import ClosedError, ConfigError
+from .mobility.radio import RadioModel
+from .mobility.routes import Route
+from .mobility.schedule import ScheduleConfig
 from .optim import GossipOptimizer
 from .rounds import CollectiveReport
 
@@ -131,6 +136,7 @@ class Peer:
         self._allreduce: LossyAllReduce | None = None
         self._moshpit: MoshpitAverager | None = None
         self._statesync: StateSync | None = None
+        self._route: RouteAverager | None = None
         self._flats: dict[tuple[Any, ...], FlatBuffer] = {}
         self._microbatch = MicrobatchState()
         try:
@@ -264,8 +270,14 @@ class Peer:
         all-reduces on a virtual grid of groups of at most ``group_size`` peers;
         the default runs the grid's d rounds, which give every peer the exact
         mean on a full grid, and contract the spread geometrically otherwise.
-        ``method="allreduce"`` is :meth:`all_reduce`.  Lost packets, dead peers
-        and peers whose views disagree never raise: the report says what happened.
+        ``method="allreduce"`` is :meth:`all_reduce`.  ``method="route"``
+        (RoADTrain, reconstructed): ``rounds`` rounds (default 1) of gossip on the
+        matchings that the peers' shared routes (:meth:`set_route`) predict will
+        connect the fleet best, Metropolis-Hastings weights per matching; a link
+        that fails is skipped at both ends (the mean is kept) and a peer with no
+        feasible link keeps its values (``report.extra["isolated"] == 1``).  Lost
+        packets, dead peers and peers whose views disagree never raise: the report
+        says what happened.
 
         Args:
             tensors: any float dtypes and shapes, the same layout on every peer.
@@ -273,9 +285,11 @@ class Peer:
             weight: this peer's weight in each group mean, >= 0.
             timeout: bound of each group all-reduce in seconds (default
                 ``Config.collective_timeout_s``); matchmaking adds its own bound.
+                For ``"route"``: how long a round waits for missing routes (default
+                ``Config.control_timeout_s``); the round itself is bounded by its plan.
             group_size: largest group M (default 32); the grid follows the live count.
-            start_round: Moshpit round number to start at (advanced): by default each
-                call is the next sweep; the optimizer strategy passes
+            start_round: Moshpit (or route) round number to start at (advanced): by
+                default each call is the next sweep; the optimizer strategy passes
                 ``step // average_every * SWEEP_STRIDE`` so that peers average the same
                 sweep at the same step however long any of them stalled.
 
@@ -285,8 +299,14 @@ class Peer:
         """
         if method == "allreduce":
             return self.all_reduce(tensors, timeout, weight=weight)
+        if method == "route":
+            return route_average(
+                self, tensors, rounds=rounds, timeout=timeout, start_round=start_round
+            )
         if method != "moshpit":
-            raise ConfigError(f"average method {method!r} unknown; use 'moshpit' or 'allreduce'")
+            raise ConfigError(
+                f"average method {method!r} unknown; use 'moshpit', 'allreduce' or 'route'"
+            )
         if not tensors:
             raise ValueError("average needs at least one tensor")
         averager = self._moshpit
@@ -326,6 +346,39 @@ class Peer:
         self._allreduce = LossyAllReduce(self._node)
         self._moshpit = MoshpitAverager(self._node)
         self._statesync = StateSync(self._node)
+        self._route = RouteAverager(self._node)
+
+    def set_route(
+        self,
+        route: Route | None = None,
+        *,
+        radio: RadioModel | None = None,
+        schedule: ScheduleConfig | None = None,
+        route_time: RouteTime | None = None,
+    ) -> None:
+        """Announce this peer's route and set up route-aware gossip (``method="route"``).
+
+        The route (timed waypoints, ``gossipnet.Route``) is sent to the other peers,
+        reliably, and again whenever one joins or asks; call again when plans change.
+        Every peer must use the same ``radio``, ``schedule`` and ``route_time``, since
+        each computes the round's plan from them on its own.
+
+        Args:
+            route: where this peer will be and when (None: keep the current one).
+            radio: the radio model that predicts delivery and rate by distance.
+            schedule: the per-round radio-time budget and thresholds.
+            route_time: round number -> seconds on the routes' time axis where the
+                round's plan starts (default ``round * schedule.budget_s``).
+
+        Raises:
+            ConfigError: the route has more waypoints than one packet carries (4096).
+        """
+        if route is not None and not isinstance(route, Route):
+            raise ConfigError(f"route must be a gossipnet.Route, got {type(route).__name__}")
+        if route is not None and len(route.times_s) > 4096:
+            raise ConfigError("a shared route may have at most 4096 waypoints; share less ahead")
+        assert self._route is not None
+        self._call(self._route.configure(route, radio, schedule, route_time))
 
     def _flat_for(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
         key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
@@ -447,6 +500,8 @@ def join(
     network: Any = None,
     wait_for: int | None = None,
     handle_sigterm: bool = True,
+    route: Route | None = None,
+    radio: RadioModel | None = None,
     **overrides: Any,
 ) -> Peer:
     """Start a peer and join the others.
@@ -467,6 +522,8 @@ def join(
             us, or ``WORLD_SIZE`` under torchrun.
         handle_sigterm: on SIGTERM, announce our departure and leave (within about a
             second), then exit as SIGTERM would; installed only from the main thread.
+        route, radio: this peer's route and the radio model for route-aware gossip
+            (``method="route"``, ``strategy="route"``); see :meth:`Peer.set_route`.
 
     Returns:
         A running :class:`Peer` (also a context manager that leaves on exit).
@@ -502,6 +559,12 @@ def join(
         network=network,
         expected_peers=expected,
     )
+    if route is not None or radio is not None:
+        try:
+            peer.set_route(route, radio=radio)
+        except BaseException:
+            peer.close(announce=False)
+            raise
     if handle_sigterm:
         _signals.install(peer)
     return peer

@@ -1,11 +1,13 @@
 """Public helpers for testing code that uses gossipnet.
 
 ``MemoryNetwork`` runs many peers in one process without sockets;
-``FakeClock`` makes timeouts free; ``FaultPlan`` injects seeded faults.
+``FakeClock`` makes timeouts free; ``FaultPlan`` injects seeded faults;
+``radio_faults`` derives each link's loss from a radio model and routes.
 """
 
 from __future__ import annotations
 
+from .averaging.route import radio_faults
 from .clock import FakeClock
 from .noise import LogNormalDelay, NoisePlan, SlowPeer, Stall, simulate_fleet
 from .transport.faults import Crash, FaultPlan, FaultyTransport, GilbertElliott, Partition
@@ -24,5 +26,6 @@ __all__ = (
     "Partition",
     "SlowPeer",
     "Stall",
+    "radio_faults",
     "simulate_fleet",
 )

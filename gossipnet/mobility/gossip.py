@@ -18,8 +18,12 @@ section 4; the paper was not available):
 4. :func:`radio_link_faults`: per directed link, the loss and bandwidth the radio
    model predicts, as keyword arguments for a ``FaultPlan`` (built by the caller).
 
-Packet kinds 64 and 65 (``KIND_DATA``, ``KIND_RECEIPT``) are proposed as the start of
-a 64-79 "route gossip" range next to the wire module's other ranges.
+Packet kinds 64 and 65 (``KIND_DATA``, ``KIND_RECEIPT``) are the start of the wire
+module's 64-79 "route gossip" range (``Kind.ROUTE_DATA``, ``Kind.ROUTE_RECEIPT``).
+
+Each phase is a matching, so its pairwise average is exactly one Metropolis-Hastings
+step on that matching (every degree is 1: ``W_ij = 1/(1 + max(1, 1)) = 1/2``,
+:func:`.mixing.matching_matrix`); a round applies the phases' MH steps in order.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ log = logging.getLogger(__name__)
 
 KIND_DATA = 64
 KIND_RECEIPT = 65
+_MAX_NUMEL = 1 << 31  # elements a partner's packet may announce (float32: 8 GiB)
 
 FloatArray = np.ndarray
 BoolArray = np.ndarray
@@ -205,11 +210,16 @@ class RouteGossip:
     Args:
         node: a started node (loop thread only; every method runs on it).
         names: peer ids in schedule order; ``names.index(node.peer_id)`` is this peer.
-        numel: elements of the flat model, if known now: packets of a partner that
-            starts a round before this peer does are then kept, not dropped.
+        numel: elements of the flat model, if known now.  Otherwise it is learned from
+            the first data packet (each carries the model's length), so packets of a
+            partner that starts a round before this peer does are kept, not dropped.
         chunk_bytes: payload bytes per data packet (a multiple of 4).
-        phase_slack: a phase may run this fraction past its planned duration.
-        receipt_timeout_s: how long the reliable receipt exchange may take.
+        phase_slack: a phase may wait this fraction past its planned duration for the
+            partner's data, and never past the planned timeline stretched as much
+            (``(start_s + duration_s) * (1 + phase_slack)`` after the round started
+            here), so a peer that fell behind catches up instead of cascading.
+        receipt_timeout_s: how long the reliable receipt exchange may take beyond the
+            partner's longest data wait (``duration_s * (1 + phase_slack)``).
         kinds: the packet kinds for (data, receipts); the wire module may assign its own.
     """
 
@@ -236,6 +246,11 @@ class RouteGossip:
         node.subscribe(self.kind_data, self._on_data)
         node.subscribe(self.kind_receipt, self._on_receipt)
 
+    def set_names(self, names: Sequence[str]) -> None:
+        """Peer ids in schedule order for the next rounds (participants change)."""
+        self.names = list(names)
+        self.me = self.names.index(self.node.peer_id)
+
     def close(self) -> None:
         self.node.unsubscribe(self.kind_data)
         self.node.unsubscribe(self.kind_receipt)
@@ -249,9 +264,13 @@ class RouteGossip:
 
     def _on_data(self, pkt: Any) -> None:
         f = pkt.fields
-        rnd, phase, k = f.get("r"), f.get("p"), f.get("c")
-        if not all(isinstance(v, int) for v in (rnd, phase, k)) or self._numel == 0:
+        rnd, phase, k, numel = f.get("r"), f.get("p"), f.get("c"), f.get("N")
+        if not all(isinstance(v, int) for v in (rnd, phase, k, numel)):
             return
+        if self._numel == 0 and 0 < numel <= _MAX_NUMEL:
+            self._numel = numel  # a partner started first: keep its packets
+        if numel != self._numel:
+            return  # a different model size (misuse) or nothing known yet
         box = self._box(rnd, phase, pkt.src)
         lo = k * self.chunk
         part = np.frombuffer(pkt.payload, dtype=np.float32)
@@ -292,6 +311,8 @@ class RouteGossip:
             raise ValueError("route gossip needs a 1-D float32 tensor")
         x = flat.detach().numpy()
         self._numel = x.size
+        for key in [k for k, b in self._inbox.items() if b.data.size != x.size]:
+            del self._inbox[key]  # made for another model size
         nchunks = -(-x.size // self.chunk)
         clock, start = self.node.clock, self.node.clock.now()
         rep = CollectiveReport(round=rnd, method="route", chunks_total=nchunks)
@@ -303,7 +324,10 @@ class RouteGossip:
                 continue
             other = self.names[peer]
             partners.append(other)
-            mine, receipt = await self._exchange(rnd, p, other, x, phase.duration_s)
+            stretch = 1.0 + self.phase_slack
+            until = start + (phase.start_s + phase.duration_s) * stretch
+            limit = min(until - clock.now(), phase.duration_s * stretch)
+            mine, receipt = await self._exchange(rnd, p, other, x, limit, phase.duration_s)
             both = mine & receipt if receipt is not None else np.zeros_like(mine)
             for k in np.flatnonzero(both):
                 sl = slice(k * self.chunk, (k + 1) * self.chunk)
@@ -329,10 +353,24 @@ class RouteGossip:
         log.debug("peer %s round %d: route gossip %s", self.node.peer_id, rnd, rep)
         return rep
 
+    def round_bound_s(self, schedule: Schedule) -> float:
+        """Longest a :meth:`run_round` on ``schedule`` can take here (seconds)."""
+        stretch = 1.0 + self.phase_slack
+        mine = [
+            schedule.phases[p].duration_s
+            for p, peer in enumerate(partner_of(schedule, self.me))
+            if peer is not None
+        ]
+        return sum(2.0 * d * stretch + self.receipt_timeout_s for d in mine)
+
     async def _exchange(
-        self, rnd: int, p: int, other: str, x: np.ndarray, duration_s: float
+        self, rnd: int, p: int, other: str, x: np.ndarray, limit_s: float, duration_s: float
     ) -> tuple[np.ndarray, np.ndarray | None]:
-        """One phase with ``other``: swap chunks, then receipts.
+        """One phase with ``other``: swap chunks (wait at most ``limit_s``), then receipts.
+
+        Our receipt wait covers the partner's longest data wait (it may have entered
+        the phase later, or be waiting for chunks that were lost): giving up sooner
+        would let it average what we then do not, and the mean would drift.
 
         Returns (chunks of ``other`` that arrived, as reported in our receipt;
         ``other``'s receipt of ours, or None if it never came).
@@ -341,9 +379,9 @@ class RouteGossip:
         nchunks = len(box.got)
         for k in range(nchunks):  # the whole model, chunk by chunk
             payload = x[k * self.chunk : (k + 1) * self.chunk].tobytes()
-            self.node.send(other, self.kind_data, {"r": rnd, "p": p, "c": k}, payload)
-        limit = duration_s * (1.0 + self.phase_slack)
-        await self._wait(box, lambda: bool(box.got.all()), limit)
+            fields = {"r": rnd, "p": p, "c": k, "N": x.size}
+            self.node.send(other, self.kind_data, fields, payload)
+        await self._wait(box, lambda: bool(box.got.all()), max(limit_s, 0.0))
         mine = box.got.copy()  # what our receipt says; later arrivals must not count
         sent = asyncio.ensure_future(
             self.node.send_reliable(
@@ -354,6 +392,7 @@ class RouteGossip:
                 timeout_s=self.receipt_timeout_s,
             )
         )
-        await self._wait(box, lambda: box.receipt is not None, self.receipt_timeout_s)
+        patience = self.receipt_timeout_s + duration_s * (1.0 + self.phase_slack)
+        await self._wait(box, lambda: box.receipt is not None, patience)
         await sent
         return mine, box.receipt

@@ -27,7 +27,7 @@ import functools
 import itertools
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
@@ -188,6 +188,10 @@ class FaultPlan:
     but ``seed``, ``partitions``, ``crash``) for given directed links; randomness
     always comes from this plan's ``seed``.
 
+    ``link_loss(src, dst, t)``, if given, replaces ``loss`` with a probability that may
+    change over plan time ``t`` (e.g. from a radio model at the peers' distance, see
+    ``gossipnet.testing.radio_faults``); it is called once per packet, so keep it cheap.
+
     Raises:
         ConfigError: a value is out of range; each message names the field.
     """
@@ -206,6 +210,9 @@ class FaultPlan:
     partitions: tuple[Partition, ...] = ()
     crash: tuple[Crash, ...] = ()
     links: Mapping[Link, FaultPlan] | None = field(default=None, hash=False)
+    link_loss: Callable[[str, str, float], float] | None = field(
+        default=None, hash=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -223,6 +230,8 @@ class FaultPlan:
         object.__setattr__(self, "crash", tuple(self.crash))
         if self.links is not None:  # a private copy (a dict, so that plans pickle)
             object.__setattr__(self, "links", self._checked_links(self.links))
+        if self.link_loss is not None and not callable(self.link_loss):
+            raise ConfigError("FaultPlan.link_loss must be a callable (src, dst, t) -> loss")
 
     @staticmethod
     def _checked_links(links: Mapping[Link, FaultPlan]) -> dict[Link, FaultPlan]:
@@ -232,9 +241,10 @@ class FaultPlan:
                 raise ConfigError(f"FaultPlan.links keys must be (src, dst) tuples, got {key!r}")
             if not isinstance(plan, FaultPlan):
                 raise ConfigError(f"FaultPlan.links[{key!r}] must be a FaultPlan")
-            if plan.partitions or plan.crash or plan.links:
+            if plan.partitions or plan.crash or plan.links or plan.link_loss:
                 raise ConfigError(
-                    f"FaultPlan.links[{key!r}] may not have partitions, crash or links; "
+                    f"FaultPlan.links[{key!r}] may not have partitions, crash, links or "
+                    "link_loss; "
                     "put those in the top-level plan"
                 )
             checked[key] = plan
@@ -363,6 +373,10 @@ class FaultyTransport(Transport):
     def max_packet_bytes(self) -> int:
         return self.inner.max_packet_bytes
 
+    @property
+    def max_chunk_bytes(self) -> int:
+        return getattr(self.inner, "max_chunk_bytes", self.inner.default_chunk_bytes)
+
     def forget(self, dst: str) -> None:
         # The link's RNG and state stay: forgetting must not replay its fates.
         self.inner.forget(dst)
@@ -453,7 +467,8 @@ class FaultyTransport(Transport):
             return self._drop(link, "dropped_crash")
         if self.plan.partitions and any(p.cuts(src, dst, t) for p in self.plan.partitions):
             return self._drop(link, "dropped_partition")
-        if u_loss < plan.loss:
+        loss = plan.loss if self.plan.link_loss is None else self.plan.link_loss(src, dst, t)
+        if u_loss < loss:
             return self._drop(link, "dropped_loss")
         if burst is not None and u_burst < (burst.loss_bad if link.bad else burst.loss_good):
             return self._drop(link, "dropped_burst")

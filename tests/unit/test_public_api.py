@@ -30,6 +30,8 @@ def test_all_is_pinned() -> None:
         "Peer",
         "PeerUnreachable",
         "ProtocolError",
+        "RadioModel",
+        "Route",
         "TauPolicy",
         "__version__",
         "join",
