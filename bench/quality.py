@@ -147,8 +147,20 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="data seeds per row")
     parser.add_argument("--strategy", choices=("allreduce", "grads"), default="allreduce")
     parser.add_argument("--ideal", action="store_true", help="add the in-process reference")
+    parser.add_argument(
+        "--plans",
+        nargs="+",
+        metavar="KEY",
+        help="only these rows, by JSON key, e.g. 0 0.1 0.1r2 (the lossless row is always run)",
+    )
     args = parser.parse_args()
     plans = QUICK_PLANS if args.quick else FULL_PLANS
+    if args.plans:
+        known = {key(*p): p for p in FULL_PLANS + QUICK_PLANS}
+        unknown = sorted(set(args.plans) - set(known))
+        if unknown:
+            parser.error(f"unknown plan(s) {unknown}; known: {sorted(known)}")
+        plans = tuple(known[k] for k in dict.fromkeys(["0", *args.plans]))
     base = DemoConfig(
         peers=args.peers or (3 if args.quick else 4),
         steps=args.steps or (150 if args.quick else 300),
