@@ -351,14 +351,21 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """True when no element is NaN or infinite.
 
     Why not ``torch.isfinite(t).all()``: on CPU it materialises a bool tensor and
-    costs ~40x more (120 us per 64 KiB chunk); NaN and +-inf always reach the min
-    or the max, so checking those two is exact.
+    costs ~40x more (120 us per 64 KiB chunk).  float32/float64: NaN and +-inf
+    propagate through a sum, one reduction at half the cost of ``aminmax``
+    (39 vs 85 us per MiB); a sum that overflows (values near the dtype's limit,
+    which would overflow the average as well) reads as non-finite, the safe side.
+    Half precision would overflow a sum at 65504, so there NaN and +-inf are found
+    through the min and max, which they always reach.
     """
     if tensor.numel() == 0:
         return True
     if not tensor.is_floating_point():
         return True
-    lo, hi = torch.aminmax(tensor.detach().reshape(-1))
+    flat = tensor.detach().reshape(-1)
+    if flat.dtype in (torch.float32, torch.float64):
+        return math.isfinite(float(flat.sum()))
+    lo, hi = torch.aminmax(flat)
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 

@@ -337,4 +337,25 @@ def test_auto_chunk_bytes_grows_with_the_bucket_within_bounds() -> None:
     assert auto_chunk_bytes(10**9, 1024, 1024) == 1024  # no growth where cap <= base (UDP)
     for n in range(0, 40 * base, 977 * 13):
         size = auto_chunk_bytes(n, base, cap)
-        assert size % base == 0 and base <= size <= cap
+        assert size % base == 0
+        assert base <= size <= cap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_all_finite_finds_every_nan_and_inf(dtype: torch.dtype) -> None:
+    from gossipnet.averaging.chunks import all_finite
+
+    x = torch.linspace(-100, 100, 1001).to(dtype)
+    assert all_finite(x)
+    assert all_finite(torch.empty(0, dtype=dtype))
+    assert all_finite(torch.arange(5))  # integers are always finite
+    if dtype in (torch.float16, torch.bfloat16):
+        assert all_finite(torch.full((4096,), 60000.0, dtype=dtype))  # a sum would overflow
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in (0, 500, 1000):
+            y = x.clone()
+            y[where] = bad
+            assert not all_finite(y), (bad, where)
+    mixed = x.clone()
+    mixed[3], mixed[7] = float("inf"), float("-inf")  # inf - inf = nan: still caught
+    assert not all_finite(mixed)
