@@ -33,6 +33,8 @@ STEPS = 60
 K = 8  # micro-batches per step
 # 5 ms per micro-batch, +50% heavy-tailed noise on each, and each peer's whole step
 # slowed by a log-normal factor (median 1, sigma 0.5): some steps run 2-3x slower
+# peers are threads here: seeding and building a model must not interleave between them
+INIT_LOCK = threading.Lock()
 PLAN = NoisePlan(base_s=0.005, lognormal=LogNormalDelay(delay_factor=1.0), step_sigma=0.5)
 
 
@@ -42,8 +44,11 @@ def train(rank: int, addresses: list[str], auto: bool, out: dict[str, float]) ->
     window = AutoTauConfig(warmup_steps=2, window_steps=10, reestimate_every_steps=10)
     tau = AutoTau(window) if auto else None
     with gossipnet.join(addresses, listen=addresses[rank], peer_id=f"peer{rank}") as net:
-        torch.manual_seed(0)  # the same initial model on every peer
-        model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+        with INIT_LOCK:  # the same initial model on every peer (the seed is process-global)
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+            )
         opt = net.optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
         data = torch.Generator().manual_seed(rank)  # each peer its own data
         done, start = 0, time.perf_counter()

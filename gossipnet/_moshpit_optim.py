@@ -103,6 +103,8 @@ class MoshpitStrategy:
         self.catch_up_sweeps = catch_up_sweeps
         self.params = [p for group in opt.groups for p in group]
         self.last_sync: TransferReport | None = None
+        # summed averaging weight of the local steps since the last average, and their count
+        self._window_weight, self._window_steps = 0.0, 0
         if checkpoint is not None:
             data = load_checkpoint(checkpoint)
             if data is not None:
@@ -116,14 +118,41 @@ class MoshpitStrategy:
     def step(
         self, closure: Callable[[], Any] | None = None, weight: float | None = None
     ) -> CollectiveReport:
-        """A local optimizer step; every ``average_every`` steps, Moshpit averaging."""
-        self.peer._take_microbatch_report()  # a microbatches loop just scales gradients here
+        """A local optimizer step; every ``average_every`` steps, Moshpit averaging.
+
+        After a ``net.microbatches`` loop (and ``weight=None``) the summed gradient
+        is scaled as the all-reduce strategy scales it (1 / micro-batches done, or
+        1 / K with ``normalise="full"``), and the parameter average weights this
+        peer by its all-reduce weight (micro-batches done, or 1) averaged over the
+        local steps since the last averaging (so plain steps keep weight 1).
+        Why: with ``average_every=1`` and plain SGD, the weighted mean of
+        x - lr * sum_n / c_n is exactly x - lr * (sum of all gradients) /
+        (micro-batches done everywhere), the all-reduce strategy's step; a peer
+        that did nothing has weight 0 and still receives the average.  An
+        explicit ``weight`` leaves gradients as they are and is the averaging
+        weight.
+        """
+        mb = self.peer._take_microbatch_report()  # the last net.microbatches loop, once
+        if mb is not None and weight is None:
+            if closure is not None:  # the closure's gradients are the ones to scale
+                with torch.enable_grad():
+                    closure()
+                closure = None
+            scale = mb.grad_scale
+            for p in self.params if scale != 1.0 else ():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self._window_weight += (mb.weight if mb is not None else 1.0) if weight is None else weight
+        self._window_steps += 1
         self.base.step(closure)
         self.opt.step_count += 1
         me = self.peer.peer_id
         report = CollectiveReport(method="local", participants=(me,), contributors=(me,))
         if self.opt.step_count % self.average_every == 0:
-            report = self._average_or_catch_up(1.0 if weight is None else weight)
+            report = self._average_or_catch_up(self._window_weight / self._window_steps)
+            self._window_weight, self._window_steps = 0.0, 0
+        if mb is not None:
+            report.extra.update(mb.as_extra())
         every = self.checkpoint_every
         if self.checkpoint and every and self.opt.step_count % every == 0:
             self.save_checkpoint()
