@@ -148,11 +148,24 @@ class RouteStrategy:
     ) -> CollectiveReport:
         """A local step; every ``average_every`` steps, a route-aware gossip round.
 
-        ``weight`` is ignored: Metropolis-Hastings weights come from the plan's
-        degrees, the same at both ends of a link, which is what keeps the mean.
+        After a ``net.microbatches`` loop (and ``weight=None``) the summed gradient
+        is scaled as the all-reduce strategy scales it (1 / micro-batches done, or
+        1 / K with ``normalise="full"``), so a step is a mean gradient step however
+        many micro-batches the cut-off let through.  ``weight`` is otherwise
+        ignored: Metropolis-Hastings weights come from the plan's degrees, the same
+        at both ends of a link, which is what keeps the mean; weighting peers by
+        work done would need push-sum instead.
         """
-        del weight
-        self.peer._take_microbatch_report()  # a microbatches loop just scales gradients here
+        mb = self.peer._take_microbatch_report()  # the last net.microbatches loop, once
+        if mb is not None and weight is None:
+            if closure is not None:  # the closure's gradients are the ones to scale
+                with torch.enable_grad():
+                    closure()
+                closure = None
+            scale = mb.grad_scale
+            for p in self.params if scale != 1.0 else ():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         self.base.step(closure)
         self.opt.step_count += 1
         me = self.peer.peer_id
@@ -160,6 +173,8 @@ class RouteStrategy:
         if self.opt.step_count % self.average_every == 0:
             sweep = self.opt.step_count // self.average_every - 1
             report = self.average(start_round=sweep * self.rounds)
+        if mb is not None:
+            report.extra.update(mb.as_extra())
         self.opt.last_report = report
         return report
 

@@ -96,3 +96,30 @@ def test_moshpit_window_weight_is_the_mean_count_and_explicit_weight_is_kept() -
     torch.testing.assert_close(a[1], want)
     torch.testing.assert_close(b[1], want)
     assert a[2] == b[2] == "moshpit"
+
+
+def test_route_step_scales_gradients_by_microbatches_done() -> None:
+    """``strategy="route"`` takes the loop's mean gradient too (not the raw sum): two
+    parked peers out of radio range of each other are isolated, so each step is
+    exactly a local SGD step on sum / done (or sum / K with ``normalise="full"``)."""
+    import numpy as np
+
+    from gossipnet import RadioModel, Route
+
+    far = [Route(np.array([0.0]), np.array([[0.0, 0.0]])),
+           Route(np.array([0.0]), np.array([[50_000.0, 0.0]]))]  # fmt: skip
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[torch.Tensor, torch.Tensor, str]:
+        peer.set_route(far[rank], radio=RadioModel())
+        w = torch.nn.Parameter(torch.zeros(6))
+        opt = peer.optimizer(torch.optim.SGD([w], lr=1.0), strategy="route")
+        clock = FakeClock()
+        items, tau = SETUP[rank]
+        for c in peer.microbatches(grads_of(rank)[:items], K, tau=tau, clock=clock):
+            (w * c).sum().backward()
+            clock.advance(1.0)
+        rep = opt.step()
+        return -w.detach().clone(), grads_of(rank)[: DONE[rank]].sum(0), rep.method
+
+    for rank, (g, total, _) in enumerate(run_peers(2, body, timeout_s=40, **FAST)):
+        torch.testing.assert_close(g, total / DONE[rank], rtol=1e-6, atol=1e-7)
