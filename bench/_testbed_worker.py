@@ -8,6 +8,17 @@ on each backend and writes ``result-<k>-<rank>.json``.  Why long-lived: torch's
 import costs seconds per process on two cores; eight phases of fresh workers
 would spend the whole ``--quick`` budget starting up.
 
+Every op is timed on its own (a list of seconds per rep), so the controller
+can take, per rep, the slowest host (a collective ends when its last member
+does) and then the median over reps: one TCP retransmission timeout more or
+less in a rep moves a mean a lot and a median little.
+
+Why gossipnet is re-joined when the phase's pacing changes: the UDP socket
+reads ``Config.udp_pace_mbps`` when it starts; capped phases pace at the
+cap (the link's rate, as a user would set it), uncapped ones do not pace.
+Each incarnation listens on its own port so no packet of the old one is
+mistaken for the new.
+
 Why gloo ops are bounded by the group's own timeout: under 5-10% loss one gloo
 collective can take many seconds (TCP retransmission timeouts, 200 ms and
 doubling); a timed-out op is reported as ``>= timeout``, and since a gloo group
@@ -62,25 +73,15 @@ class _Bench:
         self.world = len(plan["ips"])
         self.teacher = make_teacher(0)
         self.batch_for = batch_for
-        ips = plan["ips"]
-        peers = [f"udp://{ip}:{GN_PORT}" for ip in ips]
+        self.gossipnet_mod = gossipnet
         self.gn_model = make_model(plan["hidden"], 0)
-        self.peer = gossipnet.join(
-            peers=peers,
-            listen=peers[rank],
-            secret=b"bench-testbed",
-            peer_id=f"h{rank}",
-            chunk_bytes=plan["chunk_bytes"],
-            wait_for=self.world,
-            resync_every_steps=0,  # no resync spike inside a timed window
-            collective_timeout_s=plan["gn_timeout_s"],
-        )
-        base = torch.optim.SGD(self.gn_model.parameters(), lr=0.01, momentum=0.9)
-        self.gn_opt = self.peer.optimizer(base)
+        self.pace: float | None = None
+        self.incarnation = 0
+        self._join_gossipnet()
         self.timeout = timedelta(seconds=plan["gloo_timeout_s"])
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://{ips[0]}:{GLOO_PORT}",
+            init_method=f"tcp://{plan['ips'][0]}:{GLOO_PORT}",
             rank=rank,
             world_size=self.world,
             timeout=self.timeout,
@@ -90,6 +91,33 @@ class _Bench:
         self.gl_opt = torch.optim.SGD(self.gl_model.parameters(), lr=0.01, momentum=0.9)
         self.flat = torch.zeros(sum(p.numel() for p in self.gl_model.parameters()))
         self.step_no = 0
+
+    def _join_gossipnet(self) -> None:
+        ips = self.plan["ips"]
+        port = GN_PORT + self.incarnation
+        peers = [f"udp://{ip}:{port}" for ip in ips]
+        self.peer = self.gossipnet_mod.join(
+            peers=peers,
+            listen=peers[self.rank],
+            secret=b"bench-testbed",
+            peer_id=f"h{self.rank}",
+            chunk_bytes=self.plan["chunk_bytes"],
+            wait_for=self.world,
+            resync_every_steps=0,  # no resync spike inside a timed window
+            collective_timeout_s=self.plan["gn_timeout_s"],
+            udp_pace_mbps=self.pace,
+        )
+        base = self.torch.optim.SGD(self.gn_model.parameters(), lr=0.01, momentum=0.9)
+        self.gn_opt = self.peer.optimizer(base)
+
+    def set_pace(self, mbps: float | None) -> None:
+        """Re-join gossipnet with UDP pacing at ``mbps`` (None: unpaced) if it changed."""
+        if mbps == self.pace:
+            return
+        self.peer.close()
+        self.pace = mbps
+        self.incarnation += 1
+        self._join_gossipnet()
 
     def _grads(self, model: Any) -> None:
         model.zero_grad(set_to_none=True)  # a step cut short by a timeout left grads behind
@@ -112,15 +140,19 @@ class _Bench:
         for name, op in (("step", self.gn_step), ("allreduce", self.gn_allreduce)):
             op()  # warm-up: phase deadlines re-learn the new conditions
             stale = total = lost = sent = 0
-            t0 = time.perf_counter()
+            times = []
+            cpu0 = time.process_time()
             for _ in range(reps):
+                t0 = time.perf_counter()
                 rep = op()
+                times.append(time.perf_counter() - t0)
                 stale += rep.chunks_stale
                 total += rep.chunks_total
                 lost += rep.packets_lost
                 sent += rep.packets_received + rep.packets_lost
             out[name] = {
-                "s": (time.perf_counter() - t0) / reps,
+                "times": times,
+                "cpu_s": (time.process_time() - cpu0) / reps,
                 "stale_frac": stale / total if total else 0.0,
                 "delivered": 1.0 - lost / sent if sent else 1.0,
             }
@@ -151,26 +183,30 @@ class _Bench:
             if warmup:
                 self._gl_allreduce(self.flat.clone())
         except Exception as err:  # the group could not even form in time
-            fail = {"s": None, "error": repr(err)[:300], "done": 0}
+            fail = {"times": None, "error": repr(err)[:300], "done": 0}
             return {"step": fail, "allreduce": dict(fail)}
         ops = (("step", self.gl_step), ("allreduce", lambda: self._gl_allreduce(self.flat)))
         for name, op in ops:
             t0 = time.perf_counter()
+            cpu0 = time.process_time()
             done = 0
+            times = []
             try:
                 for _ in range(reps):
+                    t1 = time.perf_counter()
                     op()
+                    times.append(time.perf_counter() - t1)
                     done += 1
             except Exception as err:  # gloo timeout (or a peer's): the group is now broken
                 out[name] = {
-                    "s": None,
+                    "times": None,
                     "error": repr(err)[:300],
                     "done": done,
                     "elapsed": time.perf_counter() - t0,
                 }
-                out.setdefault("allreduce", {"s": None, "error": "skipped", "done": 0})
+                out.setdefault("allreduce", {"times": None, "error": "skipped", "done": 0})
                 return out
-            out[name] = {"s": (time.perf_counter() - t0) / reps, "done": done}
+            out[name] = {"times": times, "done": done, "cpu_s": (time.process_time() - cpu0) / reps}
         return out
 
 
@@ -188,6 +224,7 @@ def bench_worker(rank: int, plan: dict[str, Any], ctrl_dir: str) -> dict[str, An
             break
         phase = json.loads(found.read_text())
         result: dict[str, Any] = {"rank": rank, "k": k}
+        bench.set_pace(phase.get("gn_pace_mbps"))
         result["gossipnet"] = bench.gossipnet(phase["gn_reps"])
         result["gloo"] = bench.gloo(phase["gloo_reps"], phase["new_gloo_group"], k == 0)
         write_json(ctrl / f"result-{k}-{rank}.json", result)

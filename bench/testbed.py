@@ -15,36 +15,54 @@ run.  Per row and backend, every host times R back-to-back
              ``dist.all_reduce(flat grads)`` + ``SGD.step()`` for gloo (TCP)
   allreduce  the same number of floats: ``net.all_reduce`` / ``dist.all_reduce``
 
-and the row reports the slowest host's mean.  gloo ops are bounded by the
-group's timeout; a row that hit it shows ``>= X s (timed out)``, where X is
-the mean over the attempted ops counting the cut one at its timeout: a lower
-bound, and ratios built from it are lower bounds too (marked ``>=``).
-gossipnet rows also give the fraction of chunks that kept stale values
-(its price for not waiting).
+H = 2048 (4.28 M parameters, 17 MB of float32 gradients) unless ``--hidden``.
+A cell is, per rep, the slowest host (a collective ends when its last member
+does), then the median over the R reps (the mean is in the JSON).  gloo ops
+are bounded by the group's timeout; a row that hit it shows ``>= X s (timed
+out)``, where X is the mean over the attempted ops counting the cut one at
+its timeout: a lower bound, and ratios built from it are lower bounds too
+(marked ``>=``).  gossipnet rows also give the fraction of chunks that kept
+stale values (its price for not waiting).
+
+What the kernel does, checked before any timing (printed, and in the JSON):
+the loss rule's measured rate at every loss level against binomial bounds,
+and that TCP crosses the loss rule one wire frame at a time (the testbed sets
+``gso_max_segs 1`` on every veth: with GSO a drop would hit a 64 KB
+super-packet, i.e. dozens of frames in one burst, far harsher on TCP than a
+wire).  Both backends use the same links, MTU and loss; TCP runs with the
+kernel's defaults (printed: congestion control, SACK, RACK), untuned.
 
 Links and chunks: the testbed's MTU defaults to 9000 (jumbo frames) and
 gossipnet's ``chunk_bytes`` to the largest multiple of 8 whose datagram fits
-one frame (8192 + headers < 9000); gloo's TCP uses the same links.  A chunk
-must never be IP-fragmented: a datagram of k fragments survives loss p with
-probability (1-p)^k, and a 64 KiB datagram at MTU 1500 is 45 fragments, i.e.
-10% loss becomes 99% datagram loss.  Why jumbo and not 1500: the UDP backend
-spends tens of microseconds of Python per packet, and four peers share two
-cores here, so at 1 KiB chunks the bench would time the CPU, not the network
-(``--mtu 1500`` runs it anyway, with 1 KiB chunks).
+one frame (8192 + headers < 9000).  A chunk must never be IP-fragmented: a
+datagram of k fragments survives loss p with probability (1-p)^k.  Why jumbo:
+the UDP backend spends tens of microseconds of Python per packet and four
+peers share two cores here, so 1 KiB chunks would time the CPU, not the
+network; and jumbo frames are the kind choice for TCP too (a 20 MB transfer
+at 5% loss took 1.5 s at MTU 9000 and 11.6 s at MTU 1500 on this testbed).
+``--mtu 1500`` runs it anyway, with 1 KiB chunks.
 
-    sudo .venv/bin/python bench/testbed.py --quick   # H=512 (~1.1 MB grads), < ~60 s
-    sudo .venv/bin/python bench/testbed.py           # H=1024 (~4.3 MB grads), more reps
+Capped rows: ``tbf`` at ``--cap-mbit`` on both ends of every host's link
+(50 ms queues).  gossipnet is told the rate (``Config.udp_pace_mbps`` = the
+cap, a token bucket with destinations served in turn) because a sender that
+never retransmits must not burst past a slow link; TCP finds the rate by
+congestion control.  ``--no-pace`` shows the unpaced behaviour.
 
-Prints a table, the ratios and a plot (``--plot``, default runs/testbed.png).
-The last stdout line is JSON with ``gloo_vs_gossipnet_5pct`` (gloo step time /
-gossipnet step time at 5% loss, no cap) and ``gossipnet_10pct_vs_0pct``;
-targets: <= 1.2 and >= 3.  Without root or tools it prints why and a JSON
-line with ``"skipped"``, and exits 0.
+    sudo .venv/bin/python bench/testbed.py --quick   # 3 reps per cell, ~4-6 min
+    sudo .venv/bin/python bench/testbed.py           # 7 reps, longer gloo timeouts
+
+Prints the settings, a table, the ratios and a plot (``--plot``, default
+runs/testbed.png).  The last stdout line is JSON with ``gloo_vs_gossipnet_5pct``
+(gloo step time / gossipnet step time at 5% loss, no cap) and
+``gossipnet_10pct_vs_0pct``; targets: >= 3 and <= 1.2.  Without root or tools
+it prints why and a JSON line with ``"skipped"``, and exits 0.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,7 +73,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, emit_json
 from _testbed_worker import bench_worker, write_json
 
-from gossipnet.testbed import Testbed, measure_loss, unavailable_reason
+from gossipnet.config import Config
+from gossipnet.testbed import Testbed, check_tcp_frames, measure_loss, unavailable_reason
+from gossipnet.testbed._shaping import tbf_burst_bytes
 
 TARGET_GN_10_VS_0 = 1.2
 TARGET_GLOO_VS_GN_5 = 3.0
@@ -75,7 +95,8 @@ def _args() -> Any:
     p.add_argument("--queue-ms", type=float, default=50.0, help="cap queue (delay bound)")
     p.add_argument("--mtu", type=int, default=9000)
     p.add_argument("--chunk-bytes", type=int, default=None, help="default: fits the MTU")
-    p.add_argument("--hidden", type=int, default=None, help="MLP width (quick 512, else 1024)")
+    p.add_argument("--hidden", type=int, default=2048, help="MLP width (2048: 17 MB grads)")
+    p.add_argument("--no-pace", action="store_true", help="capped rows: gossipnet unpaced")
     p.add_argument("--reps", type=int, default=None, help="timed gossipnet ops per row")
     p.add_argument("--gloo-reps", type=int, default=None, help="timed gloo ops per row")
     p.add_argument("--gloo-timeout-s", type=float, default=None, help="bound of one gloo op")
@@ -83,10 +104,9 @@ def _args() -> Any:
     p.add_argument("--plot", default="runs/testbed.png")
     a = p.parse_args()
     q = a.quick
-    a.hidden = a.hidden or (512 if q else 1024)
-    a.reps = a.reps or (3 if q else 10)
-    a.gloo_reps = a.gloo_reps or (4 if q else 5)
-    a.gloo_timeout_s = a.gloo_timeout_s or (4.0 if q else 30.0)
+    a.reps = a.reps or (3 if q else 7)
+    a.gloo_reps = a.gloo_reps or (3 if q else 7)
+    a.gloo_timeout_s = a.gloo_timeout_s or (10.0 if q else 60.0)
     a.probe_packets = a.probe_packets or (2000 if q else 5000)
     a.chunk_bytes = a.chunk_bytes or chunk_for_mtu(a.mtu)
     a.loss_list = [float(x) for x in a.losses.split(",")]
@@ -111,20 +131,41 @@ def _wait_all(tb: Testbed, tasks: list[Any], paths: list[Path], deadline_s: floa
 def _merge(name: str, per_rank: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
     """One backend-op cell: the slowest rank, or a lower bound when an op timed out."""
     cells = [r[name] for r in per_rank]
-    if all(c.get("s") is not None for c in cells):
-        out = {"s": max(c["s"] for c in cells), "timed_out": False}
+    if all(c.get("times") for c in cells):
+        per_rep = [max(ts) for ts in zip(*(c["times"] for c in cells), strict=True)]
+        out = {
+            "s": statistics.median(per_rep),
+            "mean_s": statistics.fmean(per_rep),
+            "reps_s": [round(t, 4) for t in per_rep],
+            "cpu_s": statistics.fmean(c["cpu_s"] for c in cells),
+            "timed_out": False,
+        }
         for k in ("stale_frac", "delivered"):
             if k in cells[0]:
                 out[k] = sum(c[k] for c in cells) / len(cells)
         return out
     # the cut op counts at the timeout: mean over attempted ops >= elapsed / attempts
     bounds = [
-        c.get("elapsed", timeout_s) / (c.get("done", 0) + 1) for c in cells if c.get("s") is None
+        c.get("elapsed", timeout_s) / (c.get("done", 0) + 1) for c in cells if not c.get("times")
     ]
     return {
         "s": max(max(bounds), timeout_s / (max(c.get("done", 0) for c in cells) + 1)),
         "timed_out": True,
     }
+
+
+def _kernel_drops(tb: Testbed) -> dict[str, int]:
+    """Drops outside the loss rule: UDP socket buffers in the hosts (only gossipnet
+    uses UDP) and the machine's per-CPU backlog (``softnet_stat``; shared with
+    every other process, so an upper bound for the testbed)."""
+    out = {"udp_rcvbuf": 0, "udp_sndbuf": 0}
+    for h in tb.hosts:
+        udp = h.snmp().get("Udp", {})
+        out["udp_rcvbuf"] += udp.get("RcvbufErrors", 0)
+        out["udp_sndbuf"] += udp.get("SndbufErrors", 0)
+    lines = Path("/proc/net/softnet_stat").read_text().split("\n")
+    out["backlog"] = sum(int(line.split()[1], 16) for line in lines if line.strip())
+    return out
 
 
 def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[str, Any]]:
@@ -136,12 +177,19 @@ def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[
         tb.set_rate(None, cap, queue_ms=a.queue_ms)
         for loss in a.loss_list:
             tb.set_loss(None, loss)
-            phase = {"gn_reps": a.reps, "gloo_reps": a.gloo_reps, "new_gloo_group": new_group}
+            phase = {
+                "gn_reps": a.reps,
+                "gloo_reps": a.gloo_reps,
+                "new_gloo_group": new_group,
+                "gn_pace_mbps": None if cap is None or a.no_pace else cap,
+            }
             write_json(ctrl / f"phase-{k}.json", phase)  # atomic: workers poll for it
             t0 = time.monotonic()
+            drops0 = _kernel_drops(tb)
             paths = [ctrl / f"result-{k}-{r}.json" for r in range(a.hosts)]
             results = _wait_all(tb, tasks, paths, per_phase_s)
             row: dict[str, Any] = {"loss": loss, "cap_mbit": cap, "wall_s": time.monotonic() - t0}
+            row["kernel_drops"] = {k2: v - drops0[k2] for k2, v in _kernel_drops(tb).items()}
             for backend in ("gossipnet", "gloo"):
                 for op in ("step", "allreduce"):
                     row[f"{backend}_{op}"] = _merge(
@@ -172,12 +220,15 @@ def _row_text(row: dict[str, Any]) -> str:
         r, lb = _ratio(gl, gn)
         parts.append(f"{_fmt(gn):>10} {_fmt(gl):>26} {'>=' if lb else '  '}{r:6.2f}x")
     parts.append(f"{row['gossipnet_step'].get('stale_frac', 0.0):6.1%}")
+    drops = row["kernel_drops"]
+    parts.append(f"{drops['udp_rcvbuf'] + drops['udp_sndbuf']:>6} {drops['backlog']:>6}")
     return " | ".join(parts)
 
 
 HEADER = (
     f"{'cap':>12} {'loss':>5} | {'gossipnet step':>10} {'gloo step':>26} {'gloo/gn':>8} | "
-    f"{'gn all-red.':>10} {'gloo all-reduce':>26} {'gloo/gn':>8} | gn stale"
+    f"{'gn all-red.':>10} {'gloo all-reduce':>26} {'gloo/gn':>8} | gn stale | "
+    "udp buf drops, backlog drops"
 )
 
 
@@ -249,6 +300,37 @@ def _plot(rows: list[dict[str, Any]], a: Any) -> str | None:
     return str(path)
 
 
+def _settings(tb: Testbed, a: Any, frames: Any) -> dict[str, Any]:
+    """Every setting that shapes the numbers, printed and put in the JSON."""
+    keys = ("tcp_congestion_control", "tcp_sack", "tcp_recovery", "tcp_early_retrans")
+    sysctl = tb.hosts[0].run(["sysctl", *(f"net.ipv4.{k}" for k in keys)], check=False)
+    params = a.hidden * a.hidden + 44 * a.hidden + 10
+    cap_text = (
+        f"tbf {a.cap_mbit:g} Mbit/s on both ends of every host link, {a.queue_ms:g} ms queue, "
+        f"{tbf_burst_bytes(a.cap_mbit, a.mtu)} B burst"
+    )
+    return {
+        "hosts": f"{a.hosts} namespaces on one bridge, 1 torch thread each, {_cores()} CPU cores",
+        "loss": "nftables numgen random on the switch's bridge forward hook, each host's "
+        "outgoing frames (end-to-end loss = the set rate)",
+        "links": f"veth MTU {a.mtu}, gso_max_segs 1 (one wire frame per packet)",
+        "tcp_frames": str(frames),
+        "tcp": " ".join(sysctl.stdout.split()) + " (kernel defaults, untuned)",
+        "payload": f"MLP 32-{a.hidden}-{a.hidden}-10: {params} float32 = {params * 4 / 1e6:.1f} MB",
+        "gossipnet": f"UDP backend, chunk {a.chunk_bytes} B, MAC {Config().mac}, "
+        f"collective timeout 10 s, {a.reps} reps + 1 warm-up per op",
+        "gloo": f"torch.distributed gloo all_reduce over TCP on eth0, {a.gloo_reps} reps, "
+        f"op timeout {a.gloo_timeout_s:g} s",
+        "cap": cap_text,
+        "pacing": "off" if a.no_pace else f"gossipnet capped rows: udp_pace_mbps={a.cap_mbit:g}",
+        "statistic": "per rep the slowest host, then the median over reps",
+    }
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0))
+
+
 def main() -> int:
     a = _args()
     reason = unavailable_reason()
@@ -261,12 +343,18 @@ def main() -> int:
     t_start = time.monotonic()
     with Testbed(hosts=a.hosts, mtu=a.mtu) as tb:
         checks = []
-        for loss in a.loss_list if not a.quick else [max(a.loss_list)]:
+        for loss in a.loss_list:
             tb.set_loss(None, loss)
             m = measure_loss(tb, 0, 1, count=a.probe_packets)
             print(f"loss check: {m}", flush=True)
             checks.append({"set": loss, "measured": round(m.rate, 4), "ok": m.ok})
         tb.set_loss(None, 0.0)
+        frames = check_tcp_frames(tb, 0, 1)
+        settings = _settings(tb, a, frames)
+        for key, value in settings.items():
+            print(f"setting {key}: {value}", flush=True)
+        if not frames.ok or not all(c["ok"] for c in checks):
+            raise RuntimeError("the testbed's links are not what they claim; see above")
         ctrl = tb.run_dir / "ctrl"
         ctrl.mkdir()
         plan = {
@@ -298,6 +386,7 @@ def main() -> int:
             **summary,
             "plot": plot,
             "loss_check": checks,
+            "settings": settings,
             "rows": rows,
             "config": {k: v for k, v in vars(a).items() if k != "loss_list"},
             "wall_s": round(time.monotonic() - t_start, 1),

@@ -28,14 +28,17 @@ from ._registry import cleanup_stale
 from ._shaping import LinkState
 from ._sys import TestbedError, TestbedUnavailable, unavailable_reason
 from .measure import (
+    FrameCheck,
     LossMeasurement,
     binomial_bounds,
+    check_tcp_frames,
     measure_links,
     measure_loss,
     measure_throughput,
 )
 
 __all__ = (
+    "FrameCheck",
     "Host",
     "HostProcess",
     "Leftovers",
@@ -48,6 +51,7 @@ __all__ = (
     "TestbedUnavailable",
     "WorkerError",
     "binomial_bounds",
+    "check_tcp_frames",
     "cleanup_stale",
     "measure_links",
     "measure_loss",

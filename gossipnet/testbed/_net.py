@@ -369,10 +369,11 @@ class Testbed:
             self.rates[h.name] = None if mbit is None else (mbit, queue_ms)
 
     def _apply_rules(self) -> None:
-        script = render_ruleset([self.links[h.name] for h in self.hosts])
+        script = render_ruleset([self.links[h.name] for h in self.hosts], mtu=self.config.mtu)
         run(netns_exec(self.switch, ["nft", "-f", "-"]), input_text=script)
 
-    def counters(self) -> dict[str, int]:
-        """Switch packet counters by rule, e.g. ``{"h0 seen-out": 5000, "h0 loss-out": 497}``."""
+    def counters(self, field: str = "packets") -> dict[str, int]:
+        """Switch counters by rule, e.g. ``{"h0 seen-out": 5000, "h0 loss-out": 497}``;
+        ``field="bytes"`` gives bytes (IP packet lengths) instead of packets."""
         out = run(netns_exec(self.switch, ["nft", "-j", "list", "table", "bridge", TABLE]))
-        return parse_counters(out.stdout)
+        return parse_counters(out.stdout, field)

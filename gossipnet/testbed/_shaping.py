@@ -71,13 +71,17 @@ def _threshold(p: float) -> int:
     return round(p * LOSS_SCALE)
 
 
-def _rules(link: LinkState) -> list[str]:
+def _rules(link: LinkState, mtu: int | None) -> list[str]:
     port, host = link.port, link.host
     rules = [
         # counters without a verdict: what the switch saw, to compare drops against
         f'iifname "{port}" counter comment "{host} seen-out"',
         f'oifname "{port}" counter comment "{host} seen-in"',
     ]
+    if mtu is not None:
+        # a packet longer than the MTU here is a GSO super-packet: one random drop
+        # would then remove many wire frames at once; this counter proves it never happens
+        rules.append(f'iifname "{port}" meta length > {mtu} counter comment "{host} oversize-out"')
     if link.cut:
         rules.append(f'iifname "{port}" counter drop comment "{host} cut-out"')
         rules.append(f'oifname "{port}" counter drop comment "{host} cut-in"')
@@ -94,13 +98,17 @@ def _rules(link: LinkState) -> list[str]:
     return rules
 
 
-def render_ruleset(links: Sequence[LinkState], table: str = TABLE) -> str:
+def render_ruleset(
+    links: Sequence[LinkState], table: str = TABLE, *, mtu: int | None = None
+) -> str:
     """One ``nft -f`` script that atomically replaces the testbed's rules.
 
     ``add table`` + ``flush table`` + the full definition in one file is
     nftables' atomic replace: no packet ever sees a half-applied rule set.
+    With ``mtu``, each host also gets a ``<host> oversize-out`` counter of
+    packets longer than the MTU (``meta length`` is the IP packet's length).
     """
-    body = "\n".join(f"\t\t{rule}" for link in links for rule in _rules(link))
+    body = "\n".join(f"\t\t{rule}" for link in links for rule in _rules(link, mtu))
     return (
         f"add table bridge {table}\n"
         f"flush table bridge {table}\n"
@@ -113,8 +121,11 @@ def render_ruleset(links: Sequence[LinkState], table: str = TABLE) -> str:
     )
 
 
-def parse_counters(nft_json: str) -> dict[str, int]:
-    """Packet counters by rule comment from ``nft -j list table bridge <table>``."""
+def parse_counters(nft_json: str, field: str = "packets") -> dict[str, int]:
+    """Counters by rule comment from ``nft -j list table bridge <table>``.
+
+    ``field``: ``"packets"`` or ``"bytes"`` (IP packet bytes, Ethernet header excluded).
+    """
     out: dict[str, int] = {}
     for item in json.loads(nft_json).get("nftables", []):
         rule = item.get("rule")
@@ -122,7 +133,7 @@ def parse_counters(nft_json: str) -> dict[str, int]:
             continue
         for expr in rule.get("expr", []):
             if isinstance(expr, dict) and "counter" in expr:
-                out[rule["comment"]] = int(expr["counter"]["packets"])
+                out[rule["comment"]] = int(expr["counter"][field])
     return out
 
 

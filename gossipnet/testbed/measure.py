@@ -22,8 +22,10 @@ if TYPE_CHECKING:
     from ._net import Host, Testbed
 
 __all__ = (
+    "FrameCheck",
     "LossMeasurement",
     "binomial_bounds",
+    "check_tcp_frames",
     "measure_links",
     "measure_loss",
     "measure_throughput",
@@ -221,3 +223,62 @@ def measure_throughput(
     sent = src_task.result(timeout_s)
     sink.result(timeout_s)
     return float(nbytes * 8 / sent["seconds"] / 1e6)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameCheck:
+    """What the switch's loss rule saw of one TCP transfer from ``src``.
+
+    Why: the kernel's random drop is per packet *as the rule sees it*.  If TCP
+    handed the veth 64 KB GSO super-packets, one drop would take out ~45 wire
+    frames (at MTU 1500) at once and TCP would suffer bursts no wire has;
+    the testbed sets ``gso_max_segs 1`` so that every packet is one wire frame,
+    and this check proves it: no packet longer than the MTU crossed the rule.
+    """
+
+    src: str
+    mtu: int
+    packets: int
+    bytes: int
+    oversize: int
+    goodput_mbit: float
+
+    @property
+    def avg_bytes(self) -> float:
+        return self.bytes / self.packets if self.packets else float("nan")
+
+    @property
+    def ok(self) -> bool:
+        return self.packets > 0 and self.oversize == 0
+
+    def __str__(self) -> str:
+        verdict = "ok: one wire frame per packet" if self.ok else "OVERSIZE PACKETS (GSO on?)"
+        return (
+            f"{self.src} TCP as the loss rule sees it: {self.packets} packets, "
+            f"avg {self.avg_bytes:.0f} B, {self.oversize} longer than MTU {self.mtu}; "
+            f"{self.goodput_mbit:.0f} Mbit/s; {verdict}"
+        )
+
+
+def check_tcp_frames(
+    tb: Testbed,
+    src: int | str | Host,
+    dst: int | str | Host,
+    *,
+    nbytes: int = 4_000_000,
+    timeout_s: float = 30.0,
+) -> FrameCheck:
+    """Send ``nbytes`` over TCP ``src`` -> ``dst`` and count what the switch's rules saw."""
+    s = tb.host(src)
+    keys = (f"{s.name} seen-out", f"{s.name} oversize-out")
+    p0, b0 = tb.counters(), tb.counters("bytes")
+    mbit = measure_throughput(tb, s, dst, nbytes=nbytes, timeout_s=timeout_s)
+    p1, b1 = tb.counters(), tb.counters("bytes")
+    return FrameCheck(
+        src=s.name,
+        mtu=tb.config.mtu,
+        packets=p1.get(keys[0], 0) - p0.get(keys[0], 0),
+        bytes=b1.get(keys[0], 0) - b0.get(keys[0], 0),
+        oversize=p1.get(keys[1], 0) - p0.get(keys[1], 0),
+        goodput_mbit=mbit,
+    )

@@ -20,6 +20,7 @@ import pytest
 from gossipnet.testbed import (
     Testbed,
     TestbedError,
+    check_tcp_frames,
     cleanup_stale,
     measure_links,
     measure_loss,
@@ -143,6 +144,16 @@ def test_bandwidth_cap_limits_tcp_goodput() -> None:
         assert 12.0 < capped < 21.0, capped  # tbf's token bucket allows a small burst
         tb.set_rate(0, None)
         assert measure_throughput(tb, 0, 1, nbytes=2_000_000) > 2 * capped
+
+
+@pytest.mark.timeout(60)
+def test_tcp_crosses_the_loss_rule_one_wire_frame_at_a_time() -> None:
+    """No GSO super-packet reaches the loss rule, so one drop is one wire frame lost."""
+    with Testbed(hosts=2, mtu=1500) as tb:
+        check = check_tcp_frames(tb, 0, 1, nbytes=2_000_000)
+        assert check.ok, check
+        assert check.packets >= 2_000_000 // 1500  # segments of one MSS, not 64 KB
+        assert 1000 < check.avg_bytes <= 1500, check
 
 
 def test_worker_errors_and_deadlines_surface() -> None:

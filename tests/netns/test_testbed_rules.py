@@ -50,6 +50,10 @@ def test_loss_rules_per_direction_and_extremes() -> None:
     for h in ("h0", "h1", "h2", "h3"):
         assert f'"{h} seen-out"' in text
         assert f'"{h} seen-in"' in text
+    assert "oversize" not in text  # no MTU given: no size counter
+    sized = render_ruleset(links[:1], mtu=9000)
+    assert 'iifname "p0" meta length > 9000 counter comment "h0 oversize-out"' in sized
+    assert "drop" not in sized  # a counter only, never a verdict
 
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan")])
