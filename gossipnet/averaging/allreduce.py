@@ -253,42 +253,63 @@ class LossyAllReduce:
     async def _send_rs(self, rnd: Round, weight: float) -> None:
         node = self.node
         per_dest: collections.Counter[str] = collections.Counter()
-        sent = 0
         copies: collections.deque[_Send] | None = (
             collections.deque() if rnd.redundancy > 1 else None
         )
-        for b, (buf, plan, smap) in enumerate(zip(rnd.src, rnd.plans, rnd.maps, strict=True)):
-            code = DTYPE_CODES[buf.dtype]
-            raw = as_bytes(buf)  # one view of the bucket, sliced per chunk: no per-chunk copy
-            for c in range(plan.nchunks):
-                owner = smap.owner(c)
-                if owner == rnd.me:
-                    continue
-                _, count = plan.chunk(c)
-                fields = {
-                    "r": rnd.r,
-                    "m": rnd.mode,
-                    "b": b,
-                    "c": c,
-                    "w": weight,
-                    "dt": code,
-                    "n": count,
-                }
-                frames = node.codec.encode(self.k.rs_data, fields, raw[plan.byte_slice(c)])
-                rnd.sent += node.send_frames((owner,), frames)
-                if copies is not None:
-                    copies.append(((owner,), frames))
-                    if len(copies) > _COPY_LAG:
-                        self._send_copy(rnd, copies.popleft())
-                per_dest[owner] += 1
-                sent += 1
-                if sent % _YIELD_EVERY == 0:
-                    await asyncio.sleep(0)
+        codes = [DTYPE_CODES[buf.dtype] for buf in rnd.src]
+        raws = [as_bytes(buf) for buf in rnd.src]  # sliced per chunk: no per-chunk copy
+        for sent, (owner, b, c) in enumerate(self._rs_order(rnd), 1):
+            plan = rnd.plans[b]
+            raw, code = raws[b], codes[b]
+            _, count = plan.chunk(c)
+            fields = {
+                "r": rnd.r,
+                "m": rnd.mode,
+                "b": b,
+                "c": c,
+                "w": weight,
+                "dt": code,
+                "n": count,
+            }
+            frames = node.codec.encode(self.k.rs_data, fields, raw[plan.byte_slice(c)])
+            rnd.sent += node.send_frames((owner,), frames)
+            if copies is not None:
+                copies.append(((owner,), frames))
+                if len(copies) > _COPY_LAG:
+                    self._send_copy(rnd, copies.popleft())
+            per_dest[owner] += 1
+            if sent % _YIELD_EVERY == 0:
+                await asyncio.sleep(0)
         await self._send_copies(rnd, copies)
         for peer in rnd.participants:
             if peer != rnd.me:
                 for _ in range(END_COPIES):
                     node.send(peer, self.k.rs_end, {"r": rnd.r, "m": rnd.mode, "n": per_dest[peer]})
+
+    @staticmethod
+    def _rs_order(rnd: Round) -> list[tuple[str, int, int]]:
+        """(owner, bucket, chunk) in sending order: round-robin over the owners,
+        each peer starting at the owner after itself.
+
+        Why: shards are contiguous, so chunk order would make every peer send to
+        the first owner at once, then all to the second: one receiver's buffers
+        overflow while the others idle.  Staggered round-robin spreads the load
+        over all receivers at every moment (and over a paced link's queues).
+        """
+        per_owner: dict[str, list[tuple[str, int, int]]] = {}
+        for b, smap in enumerate(rnd.maps):
+            for p in smap.participants:
+                if p == rnd.me:
+                    continue
+                chunks = smap.chunks_of(p)
+                if len(chunks):
+                    per_owner.setdefault(p, []).extend((p, b, c) for c in chunks)
+        parts = rnd.participants
+        me = parts.index(rnd.me) if rnd.me in parts else 0
+        ring = [parts[(me + i) % len(parts)] for i in range(1, len(parts))]
+        queues = [per_owner[p] for p in ring if p in per_owner]
+        longest = max((len(q) for q in queues), default=0)
+        return [q[i] for i in range(longest) for q in queues if i < len(q)]
 
     def _finish_rs(self, rnd: Round) -> list[OwnedShard]:
         shards = []
