@@ -3,7 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test typecheck lint bench clean
 
 setup:
 	./scripts/setup.sh
@@ -13,10 +13,15 @@ demo: setup
 
 test: setup
 	$(PY) -m ruff check gossipnet tests bench examples
+	$(PY) -m mypy gossipnet
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Settings in pyproject.toml [tool.mypy]; ~20 s CPU on a clean clone, under 1 s cached.
+typecheck: setup
+	$(PY) -m mypy gossipnet
 
 bench: setup
 	for b in bench/[a-z]*.py; do echo "== $$b"; $(PY) $$b --quick || exit 1; done
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -259,7 +259,7 @@ class Node:
         finally:
             self._pending.pop(rid, None)
 
-    async def _wait_future(self, fut: asyncio.Future[None], timeout_s: float) -> None:
+    async def _wait_future(self, fut: asyncio.Future[Any], timeout_s: float) -> None:
         """Wait for ``fut`` at most ``timeout_s`` on the injected clock."""
         if fut.done():
             return

@@ -35,7 +35,8 @@ LEAVE_BUDGET_S = 0.9
 
 
 class _Leaver(Protocol):
-    peer_id: str
+    @property
+    def peer_id(self) -> str: ...
 
     def close(self, *, announce: bool = ...) -> None: ...
 

@@ -244,6 +244,20 @@ class Peer:
             report.extra["nonfinite_local"] = 1.0
         return report
 
+    def island_all_reduce(
+        self, replicas: Sequence[Sequence[torch.Tensor]], timeout: float | None = None
+    ) -> CollectiveReport:
+        """Average per-GPU replicas: Blink trees over this machine's NVLink islands,
+        then one lossy :meth:`all_reduce` weighted by the replica count, then back.
+
+        ``replicas[i]`` is the list of tensors on the i-th local device (same layout
+        everywhere), all updated in place. Without CUDA or NVLink the local step is a
+        plain mean. See :mod:`gossipnet.averaging.blink.hierarchical`.
+        """
+        from .averaging.blink.hierarchical import island_all_reduce  # lazy: GPU-only code
+
+        return island_all_reduce(self, replicas, timeout)
+
     async def _all_reduce(
         self, buckets: list[torch.Tensor], weight: float, timeout_s: float
     ) -> CollectiveReport:

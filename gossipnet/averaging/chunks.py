@@ -179,7 +179,7 @@ class FlatBuffer:
         with torch.no_grad():
             for view, t in zip(flat._views, flat._tensors, strict=True):
                 if not _aliases(view, t):
-                    t.set_(view)
+                    t.set_(view)  # type: ignore[call-overload]  # stubs lack set_(Tensor)
         return flat
 
     @classmethod
@@ -385,7 +385,7 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
             f" contiguous={tensor.is_contiguous()}; use .contiguous().cpu() first"
         )
     raw = tensor.detach().reshape(-1).view(torch.uint8)
-    return memoryview(raw.numpy())
+    return raw.numpy().data  # == memoryview(array); numpy types __buffer__ only on 3.12+
 
 
 def from_bytes(

@@ -134,7 +134,7 @@ class MoshpitAverager(Matchmaking):
         self.beacons: dict[str, int] = {}
         self._cur: _Current | None = None
         self._cfg = self.config  # the running call's config
-        self._early: dict[int, list[tuple[Packet, float]]] = collections.defaultdict(list)
+        self._early = collections.defaultdict(list)
         self._replies: dict[tuple[int, str], Packet] = {}
         self._reply_wake = asyncio.Event()
         self._spreads: collections.deque[float] = collections.deque(maxlen=_HISTORY)

@@ -182,7 +182,8 @@ class RouteAverager:
     def _on_share(self, pkt: Packet) -> None:
         f = pkt.fields
         owner, oe = f.get("o", pkt.src), f.get("oe", pkt.epoch)
-        v, m, w = f.get("rv"), f.get("m"), f.get("w", 0)
+        # a missing "rv" reads as -1, which the >= 0 check below rejects as it did None
+        v, m, w = f.get("rv", -1), f.get("m"), f.get("w", 0)
         if not (isinstance(owner, str) and owner) or not all(
             isinstance(x, int) and x >= 0 for x in (oe, v, m, w)
         ):

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from . import _probe
 
 if TYPE_CHECKING:
-    from ._net import Host, Testbed
+    from ._host import Host
+    from ._net import Testbed
 
 __all__ = (
     "FrameCheck",

@@ -36,7 +36,7 @@ import socket
 import struct
 import sys
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 from ..clock import Clock, MonotonicClock
 from ..config import Config
@@ -337,7 +337,8 @@ class UdpTransport(Transport):
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:
-            return self._resolve_name(dst, host, port)
+            self._resolve_name(dst, host, port)  # resolves in the background
+            return None
         addr = self._sockaddr(ip, port)
         if addr is not None:
             self._addrs[dst] = addr
@@ -377,7 +378,7 @@ class UdpTransport(Transport):
         if not infos:
             self._failed[dst] = self.clock.now()
             return None
-        addr: SockAddr = infos[0][4]
+        addr = cast(SockAddr, infos[0][4])  # AF_INET/AF_INET6 only (family above)
         self._failed.pop(dst, None)
         self._addrs[dst] = addr
         return addr

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 import torch
@@ -155,7 +155,7 @@ def _as_bytes_view(buf: Buffer) -> memoryview:
     return view
 
 
-def _uint(x: object) -> bool:
+def _uint(x: object) -> TypeGuard[int]:
     # bool is an int subclass and msgpack decodes true/false as bool: refuse it.
     return type(x) is int and x >= 0
 
@@ -281,54 +281,69 @@ class WireCodec:
     def _decode(self, frames: Sequence[Buffer]) -> Packet | None:
         try:
             if len(frames) != 3:
-                return self._reject("frames", None)
+                self._reject("frames", None)
+                return None
             head = _as_bytes_view(frames[0])
             payload = _as_bytes_view(frames[1])
             mac = _as_bytes_view(frames[2])
         except Exception:  # not a sequence of three buffers
-            return self._reject("frames", None)
+            self._reject("frames", None)
+            return None
         cfg = self.config
         if len(head) > cfg.max_header_bytes:
-            return self._reject("header_size", None)
+            self._reject("header_size", None)
+            return None
         if len(payload) > cfg.max_payload_bytes:
-            return self._reject("payload_size", None)
+            self._reject("payload_size", None)
+            return None
         if len(mac) != self.mac_bytes:
-            return self._reject("mac_size", None)
+            self._reject("mac_size", None)
+            return None
         if not self._signer.verify(head, payload, mac):
-            return self._reject("mac", None)
+            self._reject("mac", None)
+            return None
         try:
             header = self._unpack(head)
         except Exception:
-            return self._reject("header_parse", None)
+            self._reject("header_parse", None)
+            return None
         if type(header) is not dict:
-            return self._reject("header_parse", None)
+            self._reject("header_parse", None)
+            return None
         return self._check_header(header, payload)
 
     def _check_header(self, header: dict[str, Any], payload: memoryview) -> Packet | None:
         """Semantic checks on an authenticated header, then the replay guard."""
         version = header.pop("v", None)
         if type(version) is not int or version != VERSION:
-            return self._reject("version", None)
+            self._reject("version", None)
+            return None
         if header.pop("run", None) != self.config.run:
-            return self._reject("run", None)
+            self._reject("run", None)
+            return None
         src = header.pop("src", None)
         epoch = header.pop("e", None)
         seq = header.pop("q", None)
         kind = header.pop("k", None)
         if not isinstance(src, str):
-            return self._reject("header_fields", None)
+            self._reject("header_fields", None)
+            return None
         if not (src and _uint(epoch) and _uint(seq) and _uint(kind) and kind <= _KIND_MAX):
-            return self._reject("header_fields", src)
+            self._reject("header_fields", src)
+            return None
         if "dt" in header:
             itemsize = _ITEMSIZE.get(header["dt"]) if isinstance(header["dt"], str) else None
             if itemsize is None:
-                return self._reject("dtype", src)
+                self._reject("dtype", src)
+                return None
             count = header.get("n")
             if not _uint(count) or count * itemsize != len(payload):
-                return self._reject("count", src)
+                self._reject("count", src)
+                return None
         reason = self._replay_check(src, epoch, seq)
         if reason is not None:
-            return self._reject(reason, src)
+            self._reject(reason, src)
+            return None
         self.accepted += 1
         return Packet(src, epoch, seq, kind, header, payload)
 

@@ -39,7 +39,7 @@ import os
 import secrets
 import tempfile
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import zmq
 
@@ -185,7 +185,8 @@ class ZmqTransport(Transport):
             ) from err
         self._ctx, self._pull, self._loop, self._handler = ctx, pull, loop, handler
         self.address = self._advertised(endpoint)
-        self._fd = pull.getsockopt(zmq.FD)
+        # pyzmq types getsockopt as int | bytes; FD and EVENTS are int options
+        self._fd = cast(int, pull.getsockopt(zmq.FD))
         loop.add_reader(self._fd, self._drain)
         # Packets queued before the reader existed raised no edge: look once.
         self._schedule_drain()
@@ -386,7 +387,7 @@ class ZmqTransport(Transport):
         deadline = self.clock.now() + timeout_s
         pause_s = 0.0005
         while not self._closed and self._push.get(dst) is sock:
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+            if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
                 return True
             remaining = deadline - self.clock.now()
             if remaining <= 0:

@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gossipnet.errors import TopologyError
@@ -32,7 +32,7 @@ def detect_topology(
     if count == 0:
         logger.debug("topology detect: no CUDA device visible to torch")
         return None
-    attempts = (
+    attempts: tuple[tuple[bool, Callable[[], GpuTopology | None]], ...] = (
         (nvml, lambda: _via_nvml(nvml_module, cuda_uuids)),
         (smi, lambda: _via_smi(timeout_s, cuda_uuids, capability)),
     )
