@@ -3,7 +3,9 @@
 Known per-micro-batch gradients and counts go in; with SGD at lr 1 the
 parameter change is exactly the averaged gradient, which must equal the
 weighted mean (ALGORITHMS.md 3.5.1).  Each peer drives its cut with its own
-FakeClock; the network runs on real time in the peers' loop threads.
+FakeClock; the network runs on real time in the peers' loop threads.  Under a
+stalled peer the steps last about tau, not the stall, and the stalled peer
+contributes exactly what it completed.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from gossipnet._microbatch import gather_rows
 from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
 from gossipnet.averaging.dropcompute import Normalise
 from gossipnet.clock import FakeClock
-from gossipnet.noise import LogNormalDelay, NoisePlan
+from gossipnet.noise import LogNormalDelay, NoisePlan, Stall
 from tests._peers import run_peers as _run_peers
 
 FAST = {"heartbeat_interval_s": 0.05, "failure_timeout_s": 1.0, "collective_timeout_s": 5.0}
@@ -173,3 +175,69 @@ def test_auto_tau_is_the_same_on_every_peer() -> None:
     for taus, _ in out[1:]:
         assert taus == pytest.approx(taus0)  # same gathered timings -> same tau
     assert max(d for _, drops in out for d in drops) > 0
+
+
+# a stalled peer: 20 micro-batches of 40 ms (0.8 s < tau); peer 2's take 125x longer in
+# steps 1-2 (5 s each, 100 s per uncut step); steps 0 and 3 are unstalled
+STALL_K, STALL_TAU, STALL_STEPS = 20, 1.0, 4
+STALL_PLAN = NoisePlan(
+    base_s=0.04, seed=7, stalls=(Stall(peer=2, start_step=1, steps=2, factor=125.0),)
+)
+
+
+def stall_grads(rank: int, step: int) -> torch.Tensor:
+    """Per-micro-batch gradients [STALL_K, 6], multiples of 1/8 (sums exact in fp32)."""
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randint(-16, 16, (STALL_K, 6), generator=g).float() / 8
+
+
+@pytest.mark.timeout(60)
+def test_stalled_peer_step_time_stays_near_tau_over_the_network() -> None:
+    """Networked twin of test_dropcompute.py's simulate_fleet stall test: 3 peers, fixed
+    tau, real all-reduce; a step lasts the slowest peer's compute (lockstep on fake time)."""
+    spent = [0.0] * 3
+    lockstep = threading.Barrier(3, timeout=30)
+
+    def body(rank: int, peer: gossipnet.Peer) -> list[tuple[float, float, dict[str, float], Any]]:
+        clock = FakeClock()
+        w = torch.nn.Parameter(torch.zeros(6))
+        opt = peer.optimizer(torch.optim.SGD([w], lr=1.0))
+        out = []
+        for step in range(STALL_STEPS):
+            times = STALL_PLAN.times(rank, step, STALL_K)
+            start = clock.now()
+            loop = peer.microbatches(stall_grads(rank, step), STALL_K, tau=STALL_TAU, clock=clock)
+            for i, c in enumerate(loop):
+                (w * c).sum().backward()
+                clock.advance(float(times[i]))
+            before = w.detach().clone()
+            extra = dict(opt.step().extra)
+            opt.zero_grad()
+            spent[rank] = clock.now() - start
+            lockstep.wait()  # the synchronous step ends when the slowest peer's compute does
+            clock.advance(start + max(spent) - clock.now())
+            lockstep.wait()
+            out.append((spent[rank], clock.now() - start, extra, before - w.detach()))
+        return out
+
+    out = run_peers(3, body)
+    for step in range(STALL_STEPS):
+        times = [STALL_PLAN.times(r, step, STALL_K) for r in range(3)]
+        stalled = step in (1, 2)
+        if stalled:
+            assert times[2].sum() == pytest.approx(100.0)  # what an uncut step would wait for
+        done = [int(out[r][step][2]["mb_completed"]) for r in range(3)]
+        assert done == ([STALL_K, STALL_K, 1] if stalled else [STALL_K] * 3)
+        longest = max(float(t.max()) for t in times)
+        for r in range(3):
+            own, step_s, extra, _ = out[r][step]
+            assert extra["tau_s"] == STALL_TAU
+            assert own <= STALL_TAU + float(times[r].max()) + 1e-6  # one micro-batch past tau
+            assert step_s <= STALL_TAU + longest + 1e-6
+            assert step_s == pytest.approx(5.0 if stalled else 0.8)  # not the 100 s stall
+            # the stalled peer's weight is what it completed (the first micro-batch always runs)
+            assert extra["mb_weight"] == float(done[r])
+        # every peer applied sum(completed gradients) / (micro-batches done everywhere)
+        total = sum(stall_grads(r, step)[: done[r]].sum(0) for r in range(3))
+        for r in range(3):
+            torch.testing.assert_close(out[r][step][3], total / sum(done), rtol=1e-5, atol=1e-6)
