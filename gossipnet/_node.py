@@ -32,6 +32,9 @@ from .transport.wire import Kind, Packet, WireCodec
 
 __all__ = ("Node",)
 
+#: Kinds below this are node/membership control (see ``Kind``): sent ``urgent``.
+_FIRST_DATA_KIND = 16
+
 log = logging.getLogger(__name__)
 
 PacketCallback = Callable[[Packet], None]
@@ -165,11 +168,17 @@ class Node:
         fields: Mapping[str, Any] | None = None,
         payload: Buffer = b"",
     ) -> bool:
-        """Fire-and-forget one packet to ``peer_id``; False if it was dropped locally."""
+        """Fire-and-forget one packet to ``peer_id``; False if it was dropped locally.
+
+        Node and membership kinds (below ``Kind.RS_DATA``) are sent ``urgent``: they
+        never wait behind paced data, so heartbeats keep failure detection honest on
+        a slow link however much data is queued.
+        """
         address = self.membership.address_of(peer_id) if self.membership else None
         if address is None or self.transport is None or self._closed:
             return False
-        return self.transport.send(address, self.codec.encode(kind, fields, payload))
+        frames = self.codec.encode(kind, fields, payload)
+        return self.transport.send(address, frames, urgent=kind < _FIRST_DATA_KIND)
 
     def send_many(
         self,
@@ -213,7 +222,8 @@ class Node:
     ) -> bool:
         if self.transport is None or self._closed:
             return False
-        return self.transport.send(address, self.codec.encode(kind, fields, payload))
+        frames = self.codec.encode(kind, fields, payload)
+        return self.transport.send(address, frames, urgent=kind < _FIRST_DATA_KIND)
 
     async def send_reliable(
         self,

@@ -88,11 +88,20 @@ class Pacer:
         self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
         self._stamp = now
 
-    def submit(self, dst: Hashable, data: bytes) -> bool:
+    def submit(self, dst: Hashable, data: bytes, *, urgent: bool = False) -> bool:
         """Send ``data`` now if the bucket allows and nothing waits, else queue it.
+
+        ``urgent`` (small control packets: heartbeats, membership) goes now in any
+        case and is charged to the bucket, which may go into debt: the queued data
+        waits that much longer, so the long-run rate still holds.
 
         Returns False (nothing queued) when ``dst``'s queue is full.
         """
+        if urgent:
+            self._refill()
+            self._tokens -= len(data) + WIRE_OVERHEAD_BYTES
+            self._emit(dst, data)
+            return True
         if not self._queues:
             self._refill()
             if self._tokens > 0:

@@ -80,8 +80,14 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def send(self, dst: str, frames: Sequence[Buffer]) -> bool:
-        """Queue one packet for ``dst``; True if handed to the backend, False if dropped."""
+    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
+        """Queue one packet for ``dst``; True if handed to the backend, False if dropped.
+
+        ``urgent``: a small control packet (membership, heartbeats) that must not
+        wait behind queued data, e.g. in the UDP backend's pacer, where seconds of
+        paced data would otherwise delay heartbeats into false failure reports.
+        Backends without a user-space send queue ignore it.
+        """
 
     @abc.abstractmethod
     async def close(self) -> None:

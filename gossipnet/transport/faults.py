@@ -444,7 +444,7 @@ class FaultyTransport(Transport):
         self._count(link, counter)
         return True  # lost in the network: the sender cannot tell
 
-    def send(self, dst: str, frames: Sequence[Buffer]) -> bool:
+    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
         """Apply the plan to one packet for ``dst``; forward it now or on a timer.
 
         Returns True for packets the faults drop (as for network loss) or delay,
@@ -491,6 +491,8 @@ class FaultyTransport(Transport):
             self._count(link, "delayed")
             frozen = _frozen(frames)
             self._later(delay, dst, frozen)
+        elif urgent:
+            ok = self.inner.send(dst, frames, urgent=True)
         else:
             ok = self.inner.send(dst, frames)
         if u_dup < plan.duplicate:

@@ -140,7 +140,7 @@ class MemoryTransport(Transport):
         self._handler = handler
         return self.address
 
-    def send(self, dst: str, frames: Sequence[Buffer]) -> bool:
+    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
         """Copy the frames and schedule their delivery to ``dst``; never blocks.
 
         Returns False (and counts why) when this endpoint is closed or not started

@@ -255,7 +255,7 @@ class UdpTransport(Transport):
                 return
 
     # ------------------------------------------------------------------ send
-    def send(self, dst: str, frames: Sequence[Buffer]) -> bool:
+    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
         """Send one packet to ``dst`` as one datagram; False = dropped and counted.
 
         Drops:
@@ -296,7 +296,7 @@ class UdpTransport(Transport):
         data = b"".join([_HEADERS[count].pack(count, *lengths), *frames])
         if self._pacer is None:
             return self._emit(addr, data)
-        if not self._pacer.submit(addr, data):
+        if not self._pacer.submit(addr, data, urgent=urgent):
             stats.dropped_queue_full += 1
             return False
         return True

@@ -284,7 +284,7 @@ class ZmqTransport(Transport):
         self._schedule_drain()
 
     # ------------------------------------------------------------------ send
-    def send(self, dst: str, frames: Sequence[Buffer]) -> bool:
+    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
         """Queue one packet for ``dst`` without blocking; False = dropped and counted.
 
         Drops: ``dropped_queue_full`` when ``dst``'s queue is at SNDHWM or its

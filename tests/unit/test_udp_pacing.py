@@ -114,3 +114,23 @@ def test_paced_udp_transport_keeps_its_rate_on_loopback(run_async: Any) -> None:
     ideal = (wire - default_burst_bytes(5e6)) / 5e6
     assert elapsed >= 0.9 * ideal, f"{elapsed:.3f} s is faster than the rate allows"
     assert elapsed <= ideal + 2.0
+
+
+def test_urgent_packets_skip_the_queue_and_the_rate_still_holds() -> None:
+    """A heartbeat must not wait behind a second of queued data (false failure
+    reports), but what it takes from the bucket delays the data, not the rate."""
+    pacer, clock, out = _pacer(rate=100_000.0, burst=2_000)
+    size = 1000 - WIRE_OVERHEAD_BYTES
+    for _ in range(100):  # one second of data at the rate
+        pacer.submit("a", b"d" * size)
+    sent_before = len(out)
+    clock.advance(0.001)
+    assert pacer.submit("a", b"hb", urgent=True)
+    assert out[-1][1] == b"hb"  # left at once, ahead of ~98 queued data packets
+    assert out[-1][2] == pytest.approx(0.001)
+    assert len(out) == sent_before + 1
+    clock.advance(2.0)
+    data = [t for _, d, t in out if d != b"hb"]
+    assert len(data) == 100  # nothing lost
+    # 100 kB + the heartbeat's bytes at 100 kB/s: the data still keeps the rate
+    assert data[-1] >= 0.98
