@@ -15,7 +15,7 @@ import os
 import secrets as _secrets
 import socket
 from collections.abc import Coroutine, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -25,6 +25,7 @@ from ._microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauS
 from ._node import Node
 from ._route_optim import route_average
 from .averaging.allreduce import LossyAllReduce
+from .averaging.blink.island import IslandAverage
 from .averaging.chunks import FlatBuffer, all_finite
 from .averaging.dropcompute import Normalise
 from .averaging.moshpit import MoshpitAverager
@@ -38,6 +39,9 @@ from .mobility.routes import Route
 from .mobility.schedule import ScheduleConfig
 from .optim import GossipOptimizer
 from .rounds import CollectiveReport
+
+if TYPE_CHECKING:
+    from .averaging.blink.topology import GpuTopology
 
 __all__ = ("Peer", "join")
 
@@ -137,6 +141,7 @@ class Peer:
         self._moshpit: MoshpitAverager | None = None
         self._statesync: StateSync | None = None
         self._route: RouteAverager | None = None
+        self._island: IslandAverage | None = None
         self._flats: dict[tuple[Any, ...], FlatBuffer] = {}
         self._microbatch = MicrobatchState()
         try:
@@ -258,6 +263,40 @@ class Peer:
 
         return island_all_reduce(self, replicas, timeout)
 
+    def island_average(
+        self,
+        tensors: Sequence[torch.Tensor],
+        timeout: float | None = None,
+        *,
+        topology: GpuTopology | None = None,
+        device: int | None = None,
+    ) -> CollectiveReport:
+        """Like :meth:`all_reduce`, for one process per GPU (torchrun): the peers on
+        this machine whose GPUs share an NVLink island average through Blink over
+        shared memory, and only each island's leader (lowest peer id) speaks on the
+        lossy network, weighted by its island's size.  Without CUDA or NVLink every
+        peer is its own island: the plain lossy all-reduce.  Every peer must call it
+        the same number of times (like any collective).
+
+        Args:
+            tensors: this process's float tensors (one device), updated in place.
+            timeout: bound of the round in seconds (default
+                ``Config.collective_timeout_s``); a member whose leader is dead or
+                late returns after it plus ``Config.control_timeout_s`` with its own
+                values (``report.extra["leader_lost"] == 1``).
+            topology: the machine's :class:`~gossipnet.averaging.blink.topology.GpuTopology`
+                (default: detected once for CUDA tensors; tests inject one).
+            device: this process's GPU id in ``topology`` (default: the tensors' CUDA
+                index; CPU tensors with a topology and a device use shared memory).
+
+        Returns:
+            The leader's all-reduce report (``method="island"``, ``participants`` =
+            the leaders) or, for a member, its island's view (no packets sent).
+            See :mod:`gossipnet.averaging.blink.island`.
+        """
+        assert self._island is not None
+        return self._island.average(self, tensors, timeout, topology=topology, device=device)
+
     async def _all_reduce(
         self, buckets: list[torch.Tensor], weight: float, timeout_s: float
     ) -> CollectiveReport:
@@ -361,6 +400,7 @@ class Peer:
         self._moshpit = MoshpitAverager(self._node)
         self._statesync = StateSync(self._node)
         self._route = RouteAverager(self._node)
+        self._island = IslandAverage(self._node)
 
     def set_route(
         self,

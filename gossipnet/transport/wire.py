@@ -82,8 +82,10 @@ class Kind(IntEnum):
     """Packet kinds, by range so a dispatcher can tell the owner at a glance.
 
     1-15 node/membership, 16-31 all-reduce/broadcast, 32-47 Moshpit,
-    48-63 state transfer, 64-79 route gossip.  Decoding does not reject unknown
-    kinds (a newer peer may send one); the node counts them as unhandled.
+    48-63 state transfer, 64-79 route gossip, 80-95 Blink island control (one
+    process per GPU: discovery, shared-buffer handles, ready/done).  Decoding does
+    not reject unknown kinds (a newer peer may send one); the node counts them as
+    unhandled.
     """
 
     HELLO = 1
@@ -111,6 +113,10 @@ class Kind(IntEnum):
     ROUTE_DATA = 64
     ROUTE_RECEIPT = 65
     ROUTE_SHARE = 66
+    ISLAND_INFO = 80
+    ISLAND_SHARE = 81
+    ISLAND_READY = 82
+    ISLAND_DONE = 83
 
 
 @dataclass(slots=True, frozen=True)

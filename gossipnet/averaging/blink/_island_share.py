@@ -1,0 +1,160 @@
+"""Buffers that the processes of one island share: host identity, handles, rebuilding.
+
+Why not ``torch.multiprocessing``'s CPU sharing: its default strategy passes file
+descriptors through a server that checks the multiprocessing ``authkey``, which only
+processes forked or spawned from one parent share; torchrun's workers are unrelated
+processes.  CPU buffers are therefore files in ``/dev/shm`` (a name is all the leader
+needs, and ``torch.from_file`` maps it), CUDA buffers go through CUDA IPC
+(``torch.multiprocessing.reductions.reduce_tensor``, a handle any process on the machine
+can open).
+
+A handle travels as a pickle of *plain values only* (str, int, bytes, bool, tuples,
+lists): :func:`load_handles` refuses every global, so even a forged handle could not
+run code.  Handles come only from our own peers anyway: each packet's MAC is checked
+with the run's secret before anything reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import io
+import os
+import pickle
+import secrets
+import socket
+import tempfile
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ...transport.wire import DTYPE_CODES, DTYPES
+
+__all__ = ("SharedBuckets", "host_id", "load_handles", "open_handles")
+
+_SHM_DIR = "/dev/shm"
+
+
+@functools.cache
+def host_id() -> str:
+    """This machine's identity: hostname + kernel boot id, hashed (16 hex digits).
+
+    Why the boot id: containers often share a hostname across machines (``localhost``),
+    while processes that can open each other's ``/dev/shm`` files and CUDA IPC handles
+    run under one kernel.  Where there is no boot id (not Linux), the hostname alone.
+    """
+    boot = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    return hashlib.blake2b(f"{socket.gethostname()}|{boot}".encode(), digest_size=8).hexdigest()
+
+
+def _shm_dir() -> str:
+    return _SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir()
+
+
+def _unlink_all(paths: Sequence[str]) -> None:
+    for p in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(p)
+
+
+class SharedBuckets:
+    """Flat buckets (one per dtype of a layout) that another local process can map.
+
+    Args:
+        layout: (numel, dtype) per bucket.
+        device: ``cpu`` (files in ``/dev/shm``, removed when this object is collected
+            or the process exits normally) or a CUDA device (CUDA IPC).
+    """
+
+    def __init__(self, layout: Sequence[tuple[int, torch.dtype]], device: torch.device) -> None:
+        self.layout = tuple(layout)
+        self.device = device
+        self.paths: list[str] = []
+        self.buckets: list[torch.Tensor] = []
+        for numel, dtype in self.layout:
+            if dtype not in DTYPE_CODES:
+                raise ValueError(f"dtype {dtype} cannot be shared with an island")
+            if device.type == "cuda":
+                self.buckets.append(torch.zeros(numel, dtype=dtype, device=device))
+                continue
+            path = os.path.join(_shm_dir(), f"gossipnet-{os.getpid()}-{secrets.token_hex(6)}")
+            self.paths.append(path)
+            self.buckets.append(torch.from_file(path, shared=True, size=numel, dtype=dtype))
+        # a killed process leaks its files (as torch's own file_system strategy would);
+        # a normal exit or garbage collection removes them
+        weakref.finalize(self, _unlink_all, list(self.paths))
+
+    def handles(self) -> bytes:
+        """A picklable description that :func:`open_handles` maps in another process."""
+        out: list[tuple[Any, ...]] = []
+        for t, path in zip(self.buckets, self.paths or [""] * len(self.buckets), strict=True):
+            code = DTYPE_CODES[t.dtype]
+            if t.device.type != "cuda":
+                out.append(("file", path, t.numel(), code))
+                continue
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            _, args = reduce_tensor(t)
+            # args: tensor_cls, size, stride, offset, storage_cls, dtype, device, handle,
+            # size_bytes, offset_bytes, requires_grad, rc_handle, rc_offset, ev_handle, ev_sync
+            plain = (list(args[1]), list(args[2]), int(args[3]), code, int(args[6]), *args[7:])
+            out.append(("cuda", *plain))
+        return pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Loads plain values only; any class or function reference is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"island handles hold plain values; got {module}.{name}")
+
+
+def load_handles(data: bytes) -> list[tuple[Any, ...]]:
+    """Parse a handle payload; raises ``ValueError`` on anything malformed."""
+    try:
+        obj = _PlainUnpickler(io.BytesIO(data)).load()
+    except Exception as err:
+        raise ValueError(f"bad island handle payload: {err}") from err
+    if not isinstance(obj, list) or not all(isinstance(h, tuple) and h for h in obj):
+        raise ValueError("bad island handle payload: not a list of tuples")
+    return obj
+
+
+def open_handles(
+    handles: Sequence[tuple[Any, ...]], layout: Sequence[tuple[int, torch.dtype]]
+) -> list[torch.Tensor]:
+    """Map another process's buckets into this one; they must match ``layout``.
+
+    Raises:
+        ValueError: a handle of another layout, an unknown kind, or a file that is gone.
+    """
+    if len(handles) != len(layout):
+        raise ValueError(f"{len(handles)} shared buckets for a layout of {len(layout)}")
+    out = []
+    for h, (numel, dtype) in zip(handles, layout, strict=True):
+        if h[0] == "file" and len(h) == 4:
+            _, path, n, code = h
+            if n != numel or DTYPES.get(code) != dtype or not isinstance(path, str):
+                raise ValueError(f"shared bucket {path!r} is {n} x {code}, expected {numel}")
+            if not os.path.basename(path).startswith("gossipnet-") or not os.path.isfile(path):
+                raise ValueError(f"shared bucket file {path!r} is missing")
+            out.append(torch.from_file(path, shared=True, size=numel, dtype=dtype))
+        elif h[0] == "cuda" and len(h) == 14:
+            size, stride, offset, code, device, *rest = h[1:]
+            if DTYPES.get(code) != dtype or torch.Size(size).numel() != numel:
+                raise ValueError(f"shared CUDA bucket is {size} x {code}, expected {numel}")
+            from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+            t = rebuild_cuda_tensor(
+                torch.Tensor, torch.Size(size), tuple(stride), offset,
+                torch.storage.TypedStorage, dtype, device, *rest,
+            )  # fmt: skip
+            out.append(t)
+        else:
+            raise ValueError(f"unknown shared bucket handle kind {h[0]!r}")
+    return out
