@@ -44,6 +44,9 @@ class Phase:
     received: collections.Counter[str] = field(default_factory=collections.Counter)
     first: dict[str, float] = field(default_factory=dict)  # first arrival per sender
     last: dict[str, float] = field(default_factory=dict)  # latest arrival per sender
+    # when we learned the sender is past this phase (a later phase's or round's packet,
+    # a heartbeat's round): whatever it sent here is sent, so lost ENDs cost little
+    moved_on: dict[str, float] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -55,6 +58,12 @@ class Phase:
             self.first[src] = now
             self.wake.set()  # a new sender is active: its own deadline starts now
         self.last[src] = now
+
+    def passed(self, src: str, now: float) -> None:
+        """``src`` has moved past this phase: cut it shortly unless it completes."""
+        if src in self.expected and src not in self.done and src not in self.moved_on:
+            self.moved_on[src] = now
+            self.wake.set()
 
     def finish(self, src: str, now: float) -> float:
         """``src`` is complete; return its span per packet (first arrival to END / count).
@@ -120,6 +129,7 @@ class Round:
         self.sent = 0
         self.late = 0
         self.ag_chunks_sent = 0
+        self.rs_sent_to: collections.Counter[str] = collections.Counter()
         self.redundancy = redundancy
         self.copies_sent = 0
         # what a sender that shares our view sends us; receiving all of it completes

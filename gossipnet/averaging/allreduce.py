@@ -62,6 +62,12 @@ _RS_SHARE = 0.6
 #: Redundant copies trail their originals by this many packets (see ``_send_copy``);
 #: well inside the default replay window of 8192 sequence numbers.
 _COPY_LAG = 256
+#: How long after a sender is known to have moved past a phase we still wait for its
+#: packets of that phase (in flight, or reordered behind its later packets).
+_MOVED_ON_GRACE_S = 0.02
+#: While a phase waits, our own END is re-sent after this long, then at doubling intervals.
+_END_REPEAT_S = 0.02
+_END_REPEAT_MAX_S = 0.1
 
 #: One data packet's destinations and encoded frames, kept for redundant copies.
 _Send = tuple[Sequence[str], list[Buffer]]
@@ -224,7 +230,11 @@ class LossyAllReduce:
             # the rest, or a silent dead peer would leave every chunk stale
             rs_deadline = t0 + _RS_SHARE * (deadline - t0)
             rs_timed_out = not await self._wait_phase(
-                rnd.rs, "rs", rs_deadline, lambda _peer: rnd.expect_rs
+                rnd.rs,
+                "rs",
+                rs_deadline,
+                lambda _peer: rnd.expect_rs,
+                lambda: self._announce_rs_end(rnd),
             )
             shards = self._finish_rs(rnd)
             values = on_reduced(shards) if on_reduced else [s.average for s in shards]
@@ -232,7 +242,11 @@ class LossyAllReduce:
             rnd.ag.start = clock.now()
             await self._send_ag(rnd, shards, values)
             ag_timed_out = not await self._wait_phase(
-                rnd.ag, "ag", deadline, lambda peer: rnd.ag_expected(peer)
+                rnd.ag,
+                "ag",
+                deadline,
+                lambda peer: rnd.ag_expected(peer),
+                lambda: self._announce_ag_end(rnd),
             )
             if repair:
                 ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
@@ -281,10 +295,22 @@ class LossyAllReduce:
             if sent % _YIELD_EVERY == 0:
                 await asyncio.sleep(0)
         await self._send_copies(rnd, copies)
+        rnd.rs_sent_to = per_dest
+        for _ in range(END_COPIES):
+            self._announce_rs_end(rnd)
+
+    def _announce_rs_end(self, rnd: Round) -> None:
+        """One END of our reduce-scatter to each other participant: how many we sent it."""
         for peer in rnd.participants:
             if peer != rnd.me:
-                for _ in range(END_COPIES):
-                    node.send(peer, self.k.rs_end, {"r": rnd.r, "m": rnd.mode, "n": per_dest[peer]})
+                end = {"r": rnd.r, "m": rnd.mode, "n": rnd.rs_sent_to[peer]}
+                self.node.send(peer, self.k.rs_end, end)
+
+    def _announce_ag_end(self, rnd: Round) -> None:
+        """One END of our all-gather to every other participant (one encoding)."""
+        others = [p for p in rnd.participants if p != rnd.me]
+        end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent}
+        self.node.send_many(others, self.k.ag_end, end)
 
     @staticmethod
     def _rs_order(rnd: Round) -> list[tuple[str, int, int]]:
@@ -380,9 +406,8 @@ class LossyAllReduce:
                     sent = 0
                     await asyncio.sleep(0)
         await self._send_copies(rnd, copies)
-        end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent}
         for _ in range(END_COPIES):
-            node.send_many(others, self.k.ag_end, end)
+            self._announce_ag_end(rnd)
 
     def _send_copy(self, rnd: Round, send: _Send) -> None:
         """Send ``redundancy - 1`` more copies of one data packet.
@@ -413,7 +438,12 @@ class LossyAllReduce:
                 await asyncio.sleep(0)
 
     async def _wait_phase(
-        self, phase: Phase, name: str, deadline: float, expected: Callable[[str], int]
+        self,
+        phase: Phase,
+        name: str,
+        deadline: float,
+        expected: Callable[[str], int],
+        announce: Callable[[], None] | None = None,
     ) -> bool:
         """Wait until every expected END arrived, or give up; True if complete.
 
@@ -423,11 +453,25 @@ class LossyAllReduce:
         sender: peers start a round at different times (compute skew), so a clock
         started at our own start would cut slow-but-alive peers, while one started
         at their first packet only cuts peers whose remaining packets are lost.
-        A sender that sent nothing yet is waited for until ``deadline`` (the
-        call's bound) or until membership declares it dead.
+        A sender known to have moved past the phase (its packets of the next
+        phase or round arrived, or its heartbeat announced a later round) is cut
+        ``_MOVED_ON_GRACE_S`` after we learned it: everything it sent here is on
+        the wire, and what has not arrived by then was lost.  This bounds the cost
+        of lost END markers under bursty loss, and of a sender whose every packet
+        was lost.  A silent sender with no such sign is waited for until
+        ``deadline`` (the call's bound) or until membership declares it dead: it
+        may simply have started late.
+
+        ``announce`` re-sends our own END marker of the phase while we wait, at
+        growing intervals (``_END_REPEAT_S`` doubling up to ``_END_REPEAT_MAX_S``):
+        a tiny control packet, not data.  Why: under bursty loss all back-to-back
+        END copies can be lost, and two peers that lost all of each other's
+        packets would otherwise each wait for the other until the deadline.
         """
         clock = self.node.clock
         history = self._spans[name]
+        interval = _END_REPEAT_S
+        next_announce = clock.now() + interval
         while not phase.complete:
             # re-read each pass: senders finishing this very phase teach a cold engine
             per_packet = statistics.median(history) if history else float("inf")
@@ -436,17 +480,22 @@ class LossyAllReduce:
                 return False
             pending = phase.expected - phase.done
             cut_at = deadline
-            if all(p in phase.first for p in pending):
+            if all(p in phase.first or p in phase.moved_on for p in pending):
                 cut_at = min(
                     deadline,
                     max(self._cut_time(phase, p, per_packet, expected(p)) for p in pending),
                 )
                 if now >= cut_at:
                     return False
+            if announce is not None and now >= next_announce:
+                announce()
+                interval = min(2 * interval, _END_REPEAT_MAX_S)
+                next_announce = now + interval
+            wake_at = min(cut_at, next_announce) if announce is not None else cut_at
             phase.wake.clear()
             waiter = asyncio.ensure_future(phase.wake.wait())
             try:
-                await self.node._wait_future(waiter, max(0.0, cut_at - now))
+                await self.node._wait_future(waiter, max(0.0, wake_at - now))
             except TimeoutError:
                 pass
             finally:
@@ -458,6 +507,9 @@ class LossyAllReduce:
         (learned seconds per packet x packets expected) after its first packet, and
         never while it sent anything within ``phase_min_wait_s``."""
         cfg = self.node.config
+        moved = phase.moved_on.get(peer)
+        if moved is not None:
+            return max(moved, phase.last.get(peer, moved)) + _MOVED_ON_GRACE_S
         allowance = max(
             cfg.phase_min_wait_s, cfg.phase_deadline_factor * per_packet * max(1, expected)
         )
@@ -480,6 +532,13 @@ class LossyAllReduce:
         current = rnd.r if rnd is not None else self.next_round
         if r > self.max_seen:
             self.max_seen = r
+        if rnd is not None and r >= rnd.r and pkt.src in rnd.members:
+            now = self.node.clock.now()
+            if r > rnd.r:  # the sender finished our round
+                rnd.rs.passed(pkt.src, now)
+                rnd.ag.passed(pkt.src, now)
+            elif pkt.kind in (self.k.ag_data, self.k.ag_end):  # its reduce-scatter is sent
+                rnd.rs.passed(pkt.src, now)
         if rnd is not None and r == rnd.r:
             if pkt.fields.get("m", 0) != rnd.mode:
                 self.dropped["mode_mismatch"] += 1
@@ -590,8 +649,16 @@ class LossyAllReduce:
 
     def _on_heartbeat(self, pkt: Packet) -> None:
         nxt = pkt.fields.get(self.tag)
-        if isinstance(nxt, int) and nxt > self.max_seen:
+        if not isinstance(nxt, int):
+            return
+        if nxt > self.max_seen:
             self.max_seen = nxt
+        rnd = self._round
+        if rnd is not None and nxt > rnd.r and pkt.src in rnd.members:
+            # its beacon names the round after ours: it finished ours
+            now = self.node.clock.now()
+            rnd.rs.passed(pkt.src, now)
+            rnd.ag.passed(pkt.src, now)
 
     def _on_membership(self, event: str, peer: str) -> None:
         rnd = self._round
