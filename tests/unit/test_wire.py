@@ -100,7 +100,7 @@ def test_public_names_are_pinned() -> None:
 def test_dtype_tables_are_inverse_and_kinds_in_ranges() -> None:
     assert set(DTYPES) == {"f32", "f16", "bf16", "f64", "i64", "i32", "u8"}
     assert {DTYPES[c]: c for c in DTYPES} == DTYPE_CODES
-    assert all(1 <= k <= 79 for k in Kind)  # 64-79: route gossip
+    assert all(1 <= k <= 95 for k in Kind)  # 64-79: route gossip, 80-95: Blink islands
     assert [Kind.RS_DATA, Kind.AG_DATA, Kind.BCAST, Kind.ROUND] == [16, 17, 18, 19]
 
 
