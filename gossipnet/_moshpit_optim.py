@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._local_step import scale_for_microbatches, state_tensors
 from .averaging.moshpit import BEHIND_SWEEPS, SWEEP_STRIDE
 from .averaging.statesync import (
     Snapshot,
@@ -132,16 +133,7 @@ class MoshpitStrategy:
         explicit ``weight`` leaves gradients as they are and is the averaging
         weight.
         """
-        mb = self.peer._take_microbatch_report()  # the last net.microbatches loop, once
-        if mb is not None and weight is None:
-            if closure is not None:  # the closure's gradients are the ones to scale
-                with torch.enable_grad():
-                    closure()
-                closure = None
-            scale = mb.grad_scale
-            for p in self.params if scale != 1.0 else ():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        mb, closure = scale_for_microbatches(self.peer, self.params, closure, weight)
         self._window_weight += (mb.weight if mb is not None else 1.0) if weight is None else weight
         self._window_steps += 1
         self.base.step(closure)
@@ -191,7 +183,7 @@ class MoshpitStrategy:
         """Average parameters (and optionally optimizer state) now."""
         tensors = [p.detach() for p in self.params]
         if self.average_state:
-            tensors += self._state_tensors()
+            tensors += state_tensors(self.base, self.params)
         return self.peer.average(
             tensors,
             method="moshpit",
@@ -202,15 +194,6 @@ class MoshpitStrategy:
             start_round=start_round,
         )
 
-    def _state_tensors(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.params:
-            state = self.base.state.get(p, {})
-            for name in sorted(state):
-                value = state[name]
-                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
-                    out.append(value)
-        return out
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> bytes:

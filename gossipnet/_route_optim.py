@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ._local_step import scale_for_microbatches, state_tensors
 from .averaging.chunks import all_finite
 from .errors import ConfigError
 from .rounds import CollectiveReport
@@ -156,16 +157,7 @@ class RouteStrategy:
         at both ends of a link, which is what keeps the mean; weighting peers by
         work done would need push-sum instead.
         """
-        mb = self.peer._take_microbatch_report()  # the last net.microbatches loop, once
-        if mb is not None and weight is None:
-            if closure is not None:  # the closure's gradients are the ones to scale
-                with torch.enable_grad():
-                    closure()
-                closure = None
-            scale = mb.grad_scale
-            for p in self.params if scale != 1.0 else ():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+        mb, closure = scale_for_microbatches(self.peer, self.params, closure, weight)
         self.base.step(closure)
         self.opt.step_count += 1
         me = self.peer.peer_id
@@ -182,18 +174,9 @@ class RouteStrategy:
         """Gossip the parameters (and optionally the optimizer state) now."""
         tensors = [p.detach() for p in self.params]
         if self.average_state:
-            tensors += self._state_tensors()
+            tensors += state_tensors(self.base, self.params)
         return route_average(self.peer, tensors, rounds=self.rounds, start_round=start_round)
 
-    def _state_tensors(self) -> list[torch.Tensor]:
-        out = []
-        for p in self.params:
-            state = self.base.state.get(p, {})
-            for name in sorted(state):
-                value = state[name]
-                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
-                    out.append(value)
-        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"step_count": self.opt.step_count, "base": self.base.state_dict()}

@@ -55,7 +55,7 @@ def test_auto_tau_over_zeromq(free_tcp_ports: Callable[[int], list[int]]) -> Non
                 batches = [torch.randn(8, 4, generator=data) for _ in range(K)]
                 for i, x in enumerate(net.microbatches(batches, K, tau=auto)):
                     model(x).pow(2).mean().backward()
-                    time.sleep(float(times[i]))
+                    time.sleep(float(times[i]))  # the injected compute time itself, not a wait
                 extras.append(dict(opt.step().extra))
                 opt.zero_grad()
             opt.resync()

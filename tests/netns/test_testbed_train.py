@@ -18,7 +18,6 @@ a deadline, and teardown is asserted complete.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import pytest
 
 from gossipnet.testbed import Testbed, measure_links, unavailable_reason
 from gossipnet.testbed.train import TrainSpec, train_peer
+from tests.conftest import _wait_until_sync as wait_until_sync
 
 REASON = unavailable_reason()
 pytestmark = [
@@ -64,11 +64,12 @@ def _train(tb: Testbed, *, progress: Path | None = None, cut: int | None = None)
     ]
     if cut is not None:
         assert progress is not None
-        deadline = time.monotonic() + RUN_DEADLINE_S
-        while not (progress.exists() and int(progress.read_text() or 0) >= STEPS // 3):
-            assert time.monotonic() < deadline, "training made no progress"
+
+        def progressed() -> bool:
             assert not any(t.done() for t in tasks), [t.stderr() for t in tasks if t.done()]
-            time.sleep(0.05)
+            return progress.exists() and int(progress.read_text() or 0) >= STEPS // 3
+
+        wait_until_sync(progressed, RUN_DEADLINE_S, interval_s=0.05, what="training progress")
         tb.cut(cut)
     return [t.result(RUN_DEADLINE_S) for t in tasks]
 
