@@ -47,7 +47,7 @@ from ..rounds import CollectiveReport
 from ..transport.base import Buffer
 from ..transport.wire import DTYPE_CODES, DTYPES, Kind, Packet
 from . import _repair
-from ._round import OwnedShard, Phase, Round
+from ._round import BufferPool, OwnedShard, Phase, Round
 from .chunks import all_finite, as_bytes, auto_chunk_bytes, from_bytes
 
 __all__ = ("ALLREDUCE_KINDS", "MOSHPIT_KINDS", "EngineKinds", "LossyAllReduce", "OwnedShard")
@@ -118,6 +118,7 @@ class LossyAllReduce:
             "ag": collections.deque(maxlen=_SPAN_HISTORY),
         }
         self._lock = asyncio.Lock()
+        self._pool = BufferPool()
         self.dropped: collections.Counter[str] = collections.Counter()
         for kind in kinds.all():
             node.subscribe(kind, self._on_packet)
@@ -205,7 +206,7 @@ class LossyAllReduce:
         parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
         rnd = Round(
             r, node.peer_id, parts, src, dst, weight, self._chunk_sizes(src), mode,
-            node.config.redundancy if redundancy is None else redundancy,
+            node.config.redundancy if redundancy is None else redundancy, self._pool,
         )  # fmt: skip
         self._round = rnd
         self.next_round = r + 1
@@ -237,6 +238,7 @@ class LossyAllReduce:
                 lambda: self._announce_rs_end(rnd),
             )
             shards = self._finish_rs(rnd)
+            rnd.rs_closed = True
             values = on_reduced(shards) if on_reduced else [s.average for s in shards]
             # all-gather: our averaged shards to everyone, then wait for the others'
             rnd.ag.start = clock.now()
@@ -271,7 +273,13 @@ class LossyAllReduce:
             collections.deque() if rnd.redundancy > 1 else None
         )
         codes = [DTYPE_CODES[buf.dtype] for buf in rnd.src]
-        raws = [as_bytes(buf) for buf in rnd.src]  # sliced per chunk: no per-chunk copy
+        # Sliced per chunk: no per-chunk copy.  Read-only = frozen (transport.base.is_frozen):
+        # sent without a copy, as ``src`` does not change while the round runs.  What can
+        # change it is our own all-gather writing a chunk whose owner already cut us
+        # (dst is src for an in-place call) or the caller's next step while a packet to
+        # a peer we cut still sits in a queue; such a packet is useless to its owner by
+        # then, and fails its MAC there (counted, never used) instead of arriving stale.
+        raws = [as_bytes(buf).toreadonly() for buf in rnd.src]
         for sent, (owner, b, c) in enumerate(self._rs_order(rnd), 1):
             plan = rnd.plans[b]
             raw, code = raws[b], codes[b]
@@ -379,11 +387,17 @@ class LossyAllReduce:
             out.copy_(value)  # cast to the bucket dtype
             plan = rnd.plans[b]
             code = DTYPE_CODES[out.dtype]
-            # sent from a private copy: ``dst`` changes after the round, queued sends don't;
-            # ``bytes`` so that ZeroMQ sends it to every destination without copying
-            mine = bytes(as_bytes(out))
-            rnd.broadcast.append(mine)
-            raw = memoryview(mine)
+            # Sent from memory private to the round (``dst`` changes after the round,
+            # queued sends must not), read-only so that ZeroMQ sends it to every
+            # destination without copying.  The accumulator itself when it is what we
+            # broadcast (a plain all-reduce): no copy at all.
+            if value is shard.average and value.dtype == out.dtype:
+                private = value
+            else:
+                private = rnd.pool.get(rnd.parity, "bcast", b, out.numel(), out.dtype)
+                private.copy_(out)
+            raw = as_bytes(private).toreadonly()
+            rnd.broadcast.append(raw)
             base = shard.start * plan.itemsize
             owned = rnd.owned[b]
             for c in owned:
@@ -604,6 +618,10 @@ class LossyAllReduce:
         if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
             self.dropped["bad_weight"] += 1
             return
+        if rnd.rs_closed:  # our averages are taken (and may be on the wire): too late
+            self.dropped["late"] += 1
+            rnd.late += 1
+            return
         got = self._chunk_of(rnd, pkt)
         if got is None:
             return
@@ -642,9 +660,7 @@ class LossyAllReduce:
         rnd.got[b][c] = True
         rnd.ag.received[pkt.src] += 1
         rnd.ag.arrived(pkt.src, self.node.clock.now())
-        if rnd.ag.received[pkt.src] >= rnd.ag_expected(pkt.src) and (
-            pkt.src not in rnd.ag.done
-        ):
+        if rnd.ag.received[pkt.src] >= rnd.ag_expected(pkt.src) and (pkt.src not in rnd.ag.done):
             self._spans["ag"].append(rnd.ag.finish(pkt.src, self.node.clock.now()))
 
     def _on_heartbeat(self, pkt: Packet) -> None:

@@ -24,6 +24,7 @@ __all__ = (
     "PacketHandler",
     "Transport",
     "TransportStats",
+    "is_frozen",
 )
 
 Buffer = bytes | bytearray | memoryview
@@ -48,6 +49,25 @@ class TransportStats:
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def is_frozen(frame: Buffer) -> bool:
+    """True for a frame the sender promises not to change while it may be queued.
+
+    ``bytes`` (or a view of them) are immutable; a *read-only* memoryview of
+    mutable memory (``memoryview(t).toreadonly()``) is the sender's promise.
+    Backends may send frozen frames without copying them; every other frame is
+    copied inside ``send``, so its buffer may be reused the moment ``send`` returns.
+
+    Why a promise is enough: every packet carries a MAC computed when it was
+    encoded, so memory changed while a packet still sat in a queue (a sender
+    that broke the promise, e.g. by reusing a buffer for a later round while a
+    packet to a cut-off peer was still queued) fails verification at the
+    receiver and is dropped and counted there, never used.
+    """
+    if type(frame) is bytes:
+        return True
+    return type(frame) is memoryview and (frame.readonly or type(frame.obj) is bytes)
 
 
 class Transport(abc.ABC):

@@ -47,7 +47,7 @@ from ..clock import Clock, MonotonicClock
 from ..config import Config
 from ..errors import ClosedError, ConfigError
 from . import WILDCARD_HOSTS, join_host_port, split_address, split_host_port
-from .base import Buffer, PacketHandler, Transport
+from .base import Buffer, PacketHandler, Transport, is_frozen
 
 __all__ = ("ZmqTransport",)
 
@@ -103,11 +103,11 @@ class ZmqTransport(Transport):
         advertise_host: host put in :attr:`address` when ``listen`` binds a
             wildcard (``0.0.0.0``, ``*``, ``::``); ``127.0.0.1`` when not given,
             which only peers on this machine can reach.
-        zero_copy_min_bytes: frames at least this large that are immutable
-            (``bytes``, or a memoryview of ``bytes``) are handed to ZeroMQ without
-            a copy.  Mutable buffers (tensor views, bytearrays) are always copied
-            at ``send``: callers may reuse them the moment ``send`` returns, as
-            they may with a real socket.
+        zero_copy_min_bytes: frames at least this large that are frozen
+            (:func:`~gossipnet.transport.base.is_frozen`: ``bytes``, or a read-only
+            memoryview) are handed to ZeroMQ without a copy.  Other buffers (tensor
+            views, bytearrays) are copied at ``send``: callers may reuse them the
+            moment ``send`` returns, as they may with a real socket.
 
     Raises:
         ConfigError: ``listen`` is not a tcp/ipc/inproc URL.
@@ -318,13 +318,7 @@ class ZmqTransport(Transport):
             # A multipart message is atomic in ZeroMQ: if the first part is accepted
             # the rest are too, so Again can only come from the first send.
             for i, frame in enumerate(frames):
-                copy = not (
-                    _nbytes(frame) >= zc_min
-                    and (
-                        type(frame) is bytes
-                        or (type(frame) is memoryview and type(frame.obj) is bytes)
-                    )
-                )
+                copy = _nbytes(frame) < zc_min or not is_frozen(frame)
                 sock.send(frame, _FLAGS_MORE if i < last else zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             stats.dropped_queue_full += 1

@@ -25,6 +25,7 @@ import pytest
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
 from gossipnet.transport import Transport, create_transport
+from gossipnet.transport.base import is_frozen
 
 LISTEN = {"zmq": "tcp://127.0.0.1:0", "udp": "udp://127.0.0.1:0"}
 
@@ -111,6 +112,33 @@ def test_round_trip_multi_frame_payload_bytes_equal(backend: str, loop: str) -> 
         uvloop.run(main())
     else:
         run(main())
+
+
+def test_only_immutable_or_read_only_frames_count_as_frozen() -> None:
+    """Frozen frames may be sent without a copy; everything else is copied at send."""
+    data = bytearray(b"x" * 100)
+    assert is_frozen(b"abc")
+    assert is_frozen(memoryview(b"abc")[1:])
+    assert is_frozen(memoryview(data).toreadonly())  # the sender's promise
+    assert not is_frozen(data)
+    assert not is_frozen(memoryview(data))
+    assert not is_frozen(memoryview(array.array("f", [1.0])))
+
+
+def test_read_only_views_arrive_intact(backend: str) -> None:
+    """A large read-only view (sent zero-copy by ZeroMQ) arrives byte for byte."""
+
+    async def main() -> None:
+        async with pair(LISTEN[backend]) as (tx, rx, inbox):
+            size = min(256 * 1024, tx.max_packet_bytes - 200)
+            source = bytearray(os.urandom(size))
+            view = memoryview(source).toreadonly()
+            for _ in range(3):
+                assert tx.send(rx.address, [b"h", view])
+            await wait_until(lambda: len(inbox.packets) == 3, what="three packets")
+            assert all(p == [b"h", bytes(source)] for p in inbox.packets)
+
+    run(main())
 
 
 @pytest.mark.parametrize("listen", ["ipc://*", "inproc://gossipnet-test-rx"])

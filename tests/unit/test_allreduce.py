@@ -859,3 +859,89 @@ def test_redundancy_is_validated(cfg: Config) -> None:
 
     with pytest.raises(ConfigError, match="redundancy"):
         cfg.replace(redundancy=0)
+
+
+# --------------------------------------------------------------------------- buffers
+@pytest.mark.timeout(15)
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "hook"])
+def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, hooked: bool
+) -> None:
+    """Accumulators (and, with a hook, broadcast copies) come from a pool of two
+    sets used in alternation: no allocation per round after the second, and a
+    round never writes into memory the previous round may still be sending."""
+
+    def triple(shards: list[OwnedShard]) -> list[torch.Tensor]:
+        return [s.average * 3 for s in shards]  # fresh tensors: broadcast from a copy
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = engines_of(nodes)
+            gen = torch.Generator().manual_seed(11)
+            ptrs: list[set[int]] = []
+            for _ in range(5):
+                inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
+                mean = torch.stack([x[0].double() for x in inputs]).mean(0)
+                hooks = [triple] * N if hooked else None
+                await allreduce(drive, clock, engines, inputs, hooks=hooks)
+                for x in inputs:
+                    want = mean * 3 if hooked else mean
+                    torch.testing.assert_close(x[0].double(), want, rtol=1e-6, atol=1e-6)
+                slots = engines[0]._pool._slots
+                ptrs.append({t.data_ptr() for t in slots.values()})
+            per_set = 2 if hooked else 1  # accumulator, + broadcast copy with a hook
+            assert len(ptrs[0]) == per_set
+            assert len(ptrs[1]) == 2 * per_set  # the other set
+            assert ptrs[1] == ptrs[2] == ptrs[3] == ptrs[4]  # reused, never reallocated
+
+    run_async(main())
+
+
+@pytest.mark.timeout(15)
+def test_contributions_after_the_reduce_scatter_closed_are_late(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """Once an owner averaged its shard, a contribution for it (lost earlier,
+    or a copy still queued somewhere) is counted late and never added: the
+    average may already be on the wire, zero-copy."""
+    own = owners(NUMEL)
+    target = own.index("p0")
+    injected: list[bool] = []
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = engines_of(nodes)
+            lost: list[Packet] = []
+
+            def first_from_p1(p: Packet) -> bool:
+                hit = p.kind == Kind.RS_DATA and p.src == "p1" and p.fields["c"] == target
+                if hit and not lost:
+                    lost.append(p)
+                    return True
+                return False
+
+            # p1's contribution to one of p0's chunks is lost on the way ...
+            lose_on_arrival(nodes[0], first_from_p1)
+            junk = torch.full((CHUNK_BYTES // 4,), 1e6).numpy().tobytes()
+
+            def late_copy(shards: list[OwnedShard]) -> list[torch.Tensor]:
+                # ... and p1's next contribution arrives once p0 has averaged
+                injected.append(nodes[1].send("p0", Kind.RS_DATA, chunk_fields(0, target), junk))
+                return [s.average for s in shards]
+
+            gen = torch.Generator().manual_seed(12)
+            inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
+            without_p1 = torch.stack([inputs[i][0].double() for i in (0, 2, 3)]).mean(0)
+            hooks = [late_copy, None, None, None]
+            reports = await allreduce(drive, clock, engines, inputs, hooks=hooks)
+            await drive(clock, asyncio.sleep(0.05), timeout_s=5)  # let the copy arrive
+            assert injected == [True]
+            assert engines[0].dropped["late"] == 1
+            s = chunk_slices(NUMEL)[target]
+            for x in inputs:  # 3 contributions averaged, the late one never added
+                torch.testing.assert_close(x[0][s].double(), without_p1[s], rtol=1e-6, atol=1e-6)
+            assert reports[0].round == 0
+
+    run_async(main())
