@@ -194,7 +194,6 @@ class MoshpitStrategy:
             start_round=start_round,
         )
 
-
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> bytes:
         return pack_state(

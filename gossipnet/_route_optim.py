@@ -177,7 +177,6 @@ class RouteStrategy:
             tensors += state_tensors(self.base, self.params)
         return route_average(self.peer, tensors, rounds=self.rounds, start_round=start_round)
 
-
     def state_dict(self) -> dict[str, Any]:
         return {"step_count": self.opt.step_count, "base": self.base.state_dict()}
 
