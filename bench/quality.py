@@ -28,6 +28,7 @@ implementation adds: the networked ``rel_ppl`` should match ``ideal``.
     .venv/bin/python bench/quality.py --quick      # rates 0 and 10%, 3 peers, < 60 s
     .venv/bin/python bench/quality.py              # all rates, 4 peers, ~5 min on 2 cores
     .venv/bin/python bench/quality.py --ideal      # + the in-process reference, ~10 min
+    .venv/bin/python bench/quality.py --ideal-only --seeds 4 --plans 0.1   # reference only
 
 The last stdout line is one JSON object:
 ``{"rel_ppl": {"0": 1.0, "0.1": ..., "0.1x8": ...}, "ppl": {...}, ...}``;
@@ -42,6 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
@@ -86,12 +88,14 @@ def key(loss: float, burst: float | None, copies: int = 1) -> str:
     return text + (f"r{copies}" if copies > 1 else "")
 
 
-def ideal_eval_loss(cfg: DemoConfig) -> float:
+def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     """Final eval loss of the loss-tolerant algorithm simulated without a network.
 
     Same data, initial model, AdamW and LR schedule as ``gossipnet._demo``; chunks
     of ``cfg.chunk_bytes`` are owned in contiguous ranges; drops are Bernoulli
     ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.
+    ``phases``: where packets are lost: ``"both"``, ``"rs"`` (gradients only) or
+    ``"ag"`` (parameter broadcasts only), to see which costs what.
     """
     torch.set_num_threads(1)
     train, held = load_corpus(cfg.corpus_bytes)
@@ -111,9 +115,11 @@ def ideal_eval_loss(cfg: DemoConfig) -> float:
     drops = torch.Generator().manual_seed(cfg.seed)
 
     lost = cfg.loss**cfg.redundancy  # every copy lost
+    rs_lost = lost if phases in ("both", "rs") else 0.0
+    ag_lost = lost if phases in ("both", "ag") else 0.0
 
-    def arrived() -> torch.Tensor:  # per (replica, element): its chunk's packet arrived
-        ok = torch.rand(n, nchunks, generator=drops) >= lost
+    def arrived(p: float) -> torch.Tensor:  # per (replica, element): its chunk arrived
+        ok = torch.rand(n, nchunks, generator=drops) >= p
         return ok.repeat_interleave(elems, dim=1)[:, :size] | own
 
     for step in range(cfg.steps):
@@ -123,7 +129,7 @@ def ideal_eval_loss(cfg: DemoConfig) -> float:
             model.zero_grad()
             model.loss(sample_windows(shards[r], cfg.batch, cfg.context, gens[r])).backward()
             grads[r] = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        mask = arrived()  # reduce-scatter: divide by the contributions that arrived
+        mask = arrived(rs_lost)  # reduce-scatter: divide by the contributions that arrived
         g = (grads * mask).sum(0) / mask.sum(0)
         m.mul_(0.9).add_(g, alpha=0.1)
         v.mul_(0.999).addcmul_(g, g, value=0.001)
@@ -131,7 +137,7 @@ def ideal_eval_loss(cfg: DemoConfig) -> float:
         new = theta[owner, torch.arange(size)] - lr_at(cfg, step) / (1 - 0.9**t) * m / (
             (v / (1 - 0.999**t)).sqrt() + 1e-8
         )
-        theta = torch.where(arrived(), new, theta)  # all-gather: a missed chunk stays stale
+        theta = torch.where(arrived(ag_lost), new, theta)  # all-gather: a missed chunk stays stale
     held_out = eval_windows(held, cfg.eval_windows, cfg.context)
     losses = []
     for r in range(n):
@@ -147,6 +153,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="data seeds per row")
     parser.add_argument("--strategy", choices=("allreduce", "grads"), default="allreduce")
     parser.add_argument("--ideal", action="store_true", help="add the in-process reference")
+    parser.add_argument(
+        "--ideal-only",
+        action="store_true",
+        help="only the in-process reference (no network; Bernoulli plans), ~25 s per run",
+    )
+    parser.add_argument(
+        "--ideal-phases",
+        choices=("both", "rs", "ag"),
+        default="both",
+        help="with --ideal/--ideal-only: lose packets in both phases, or only in one",
+    )
     parser.add_argument(
         "--plans",
         nargs="+",
@@ -172,6 +189,9 @@ def main() -> None:
         for seed in range(args.seeds)
         for loss, burst, copies in plans
     ]
+    if args.ideal_only:
+        ideal_only(args, base, cfgs)
+        return
     print(f"quality: {len(cfgs)} runs of {base.steps} steps on {base.peers} peers "
           f"(strategy {base.strategy}), one set of processes", flush=True)  # fmt: skip
     t0 = time.monotonic()
@@ -181,16 +201,44 @@ def main() -> None:
         by_plan.setdefault(
             key(res.config.loss, res.config.burst, res.config.redundancy), []
         ).append(res)
-    ideal: dict[str, float] = {}
-    if args.ideal:  # Bernoulli plans only: the simulation has no bursts
-        sims: dict[str, list[float]] = {}
-        for c in cfgs:
-            if c.burst is None:
-                sims.setdefault(key(c.loss, None, c.redundancy), []).append(ideal_eval_loss(c))
-        ref = sims[key(0.0, None)]
-        for k, losses in sims.items():  # ppl ratio = exp(loss difference), paired by seed
-            ideal[k] = statistics.fmean(math.exp(a - b) for a, b in zip(losses, ref, strict=True))
+    ideal = simulate(cfgs, args.ideal_phases) if args.ideal else {}
     report(args, base, by_plan, ideal, time.monotonic() - t0)
+
+
+def simulate(cfgs: list[DemoConfig], phases: str) -> dict[str, float]:
+    """rel_ppl of the in-process reference per Bernoulli plan (bursty plans skipped)."""
+    sims: dict[str, list[float]] = {}
+    for c in cfgs:
+        if c.burst is None:
+            sims.setdefault(key(c.loss, None, c.redundancy), []).append(ideal_eval_loss(c, phases))
+    ref = sims[key(0.0, None)]
+    # ppl ratio = exp(eval-loss difference), paired by data seed
+    return {
+        k: statistics.fmean(math.exp(a - b) for a, b in zip(losses, ref, strict=True))
+        for k, losses in sims.items()
+    }
+
+
+def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
+    """``--ideal-only``: the simulation alone, e.g. to see what a training regime costs."""
+    t0 = time.monotonic()
+    what = f"{len(cfgs)} runs of {base.steps} steps on {base.peers} replicas"
+    print(f"quality (in-process reference only, loss in {args.ideal_phases}): {what}", flush=True)
+    ideal = simulate(cfgs, args.ideal_phases)
+    for k, v in ideal.items():
+        print(f"{k:>6} ideal rel_ppl {v:.4f}")
+    emit_json(
+        {
+            "bench": "quality",
+            "ideal_only": True,
+            "phases": args.ideal_phases,
+            "peers": base.peers,
+            "steps": base.steps,
+            "seeds": args.seeds,
+            "rel_ppl": {k: round(v, 5) for k, v in ideal.items()},
+            "wall_s": round(time.monotonic() - t0, 1),
+        }
+    )
 
 
 def report(
