@@ -14,7 +14,10 @@ for it (stale, never zero) and the report counts it.
 Why phases end early: after its data every sender sends a tiny END marker
 (``END_COPIES`` copies, so all are lost with probability p^5) that says how
 many packets it sent.  A phase ends the moment every expected END arrived,
-so time per round does not grow with the loss rate.  A deadline learned
+so time per round does not grow with the loss rate.  Where no loss has been
+seen for ``_QUIET_ROUNDS`` rounds, by us or (through heartbeats) by any peer,
+one copy goes out instead: a sender whose data all arrived is complete without
+its END, and at 1M elements the copies were half of all packets sent.  A deadline learned
 from the spans of recent complete phases (``phase_deadline_factor`` x the
 median span), capped by the call's timeout, bounds a phase when ENDs or a
 whole peer are lost.
@@ -55,6 +58,8 @@ __all__ = ("ALLREDUCE_KINDS", "MOSHPIT_KINDS", "EngineKinds", "LossyAllReduce", 
 log = logging.getLogger(__name__)
 
 END_COPIES = 5  # all lost with p^5: 0.2% per link at 30% loss
+#: Loss-free rounds (ours, and every peer's as their heartbeats say) before ENDs go out once.
+_QUIET_ROUNDS = 4
 _YIELD_EVERY = 32  # packets sent between yields, so receiving never starves
 _MAX_BUFFERED_PACKETS = 200_000
 _SPAN_HISTORY = 64
@@ -119,12 +124,16 @@ class LossyAllReduce:
         }
         self._lock = asyncio.Lock()
         self._pool = BufferPool()
+        self._rounds_run = 0
+        self._loss_at = 0  # ``_rounds_run`` when we last saw loss (cold engines count as lossy)
+        self._lossy_peers: set[str] = set()  # peers whose heartbeats say they saw loss
         self.dropped: collections.Counter[str] = collections.Counter()
         for kind in kinds.all():
             node.subscribe(kind, self._on_packet)
         node.on_heartbeat(self._on_heartbeat)
         node.on_membership(self._on_membership)
         node.beacon[self.tag] = 0
+        node.beacon[self._loss_key] = 1  # until our own rounds show a quiet network
 
     # ------------------------------------------------------------------ public
     async def run(
@@ -252,11 +261,42 @@ class LossyAllReduce:
             )
             if repair:
                 ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
-            return rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
+            report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
+            self._note_loss(report)
+            return report
         finally:
             self._round = None
             self._last = rnd
             node.beacon[self.tag] = self.next_round
+
+    def _note_loss(self, report: CollectiveReport) -> None:
+        """Remember whether this round saw loss; tell the peers through our heartbeat."""
+        self._rounds_run += 1
+        if report.packets_lost or report.timed_out or report.chunks_stale:
+            self._loss_at = self._rounds_run
+        self.node.beacon[self._loss_key] = int(self._recent_loss())
+
+    @property
+    def _loss_key(self) -> str:
+        return self.tag + ".loss"
+
+    def _recent_loss(self) -> bool:
+        return self._rounds_run - self._loss_at < _QUIET_ROUNDS
+
+    def _end_copies(self, rnd: Round) -> int:
+        """END copies for this round: ``END_COPIES`` unless the network has been quiet.
+
+        Why quiet means one: ENDs only matter to a receiver that lost data (all of a
+        sender's data completes it without one).  Why peers' heartbeats count too:
+        loss on our outgoing links shows at the receivers, not here.  If loss starts
+        while we send one copy, a receiver that lost data and that END waits for
+        our END re-announce or its learned cut, for that round only.
+        """
+        if rnd.redundancy > 1 or self._recent_loss():
+            return END_COPIES
+        if any(p in self._lossy_peers for p in rnd.participants if p != rnd.me):
+            return END_COPIES
+        return 1
 
     def _chunk_sizes(self, src: Sequence[torch.Tensor]) -> list[int]:
         """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket."""
@@ -304,21 +344,30 @@ class LossyAllReduce:
                 await asyncio.sleep(0)
         await self._send_copies(rnd, copies)
         rnd.rs_sent_to = per_dest
-        for _ in range(END_COPIES):
-            self._announce_rs_end(rnd)
+        self._announce_rs_end(rnd, self._end_copies(rnd))
 
-    def _announce_rs_end(self, rnd: Round) -> None:
-        """One END of our reduce-scatter to each other participant: how many we sent it."""
+    def _announce_rs_end(self, rnd: Round, copies: int = 1) -> None:
+        """END of our reduce-scatter to each other participant: how many we sent it.
+
+        ``copies`` are the same packet (one encoding): the first to arrive counts,
+        the receiver's replay window drops the others.
+        """
+        codec = self.node.codec
         for peer in rnd.participants:
             if peer != rnd.me:
                 end = {"r": rnd.r, "m": rnd.mode, "n": rnd.rs_sent_to[peer]}
-                self.node.send(peer, self.k.rs_end, end)
+                frames = codec.encode(self.k.rs_end, end)
+                for _ in range(copies):
+                    self.node.send_frames((peer,), frames)
 
-    def _announce_ag_end(self, rnd: Round) -> None:
-        """One END of our all-gather to every other participant (one encoding)."""
+    def _announce_ag_end(self, rnd: Round, copies: int = 1) -> None:
+        """END of our all-gather to every other participant (one encoding for all)."""
         others = [p for p in rnd.participants if p != rnd.me]
-        end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent}
-        self.node.send_many(others, self.k.ag_end, end)
+        frames = self.node.codec.encode(
+            self.k.ag_end, {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent}
+        )
+        for _ in range(copies):
+            self.node.send_frames(others, frames)
 
     @staticmethod
     def _rs_order(rnd: Round) -> list[tuple[str, int, int]]:
@@ -420,8 +469,7 @@ class LossyAllReduce:
                     sent = 0
                     await asyncio.sleep(0)
         await self._send_copies(rnd, copies)
-        for _ in range(END_COPIES):
-            self._announce_ag_end(rnd)
+        self._announce_ag_end(rnd, self._end_copies(rnd))
 
     def _send_copy(self, rnd: Round, send: _Send) -> None:
         """Send ``redundancy - 1`` more copies of one data packet.
@@ -664,6 +712,10 @@ class LossyAllReduce:
             self._spans["ag"].append(rnd.ag.finish(pkt.src, self.node.clock.now()))
 
     def _on_heartbeat(self, pkt: Packet) -> None:
+        if pkt.fields.get(self._loss_key):
+            self._lossy_peers.add(pkt.src)
+        else:
+            self._lossy_peers.discard(pkt.src)
         nxt = pkt.fields.get(self.tag)
         if not isinstance(nxt, int):
             return

@@ -15,6 +15,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgpack
 import pytest
 import torch
 
@@ -943,5 +944,59 @@ def test_contributions_after_the_reduce_scatter_closed_are_late(
             for x in inputs:  # 3 contributions averaged, the late one never added
                 torch.testing.assert_close(x[0][s].double(), without_p1[s], rtol=1e-6, atol=1e-6)
             assert reports[0].round == 0
+
+    run_async(main())
+
+
+# --------------------------------------------------------------------------- END markers
+@pytest.mark.timeout(30)
+def test_end_markers_go_out_once_on_a_quiet_network_and_in_copies_once_loss_shows(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """ENDs matter only to a receiver that lost data: a cold engine sends
+    ``END_COPIES`` of each, a quiet one (no loss for a few rounds, here or at any
+    peer) one; loss seen at *another* peer (our outgoing link) brings the copies
+    back through its heartbeat, and rounds with lost data and lost ENDs still end
+    quickly."""
+    from gossipnet.averaging.allreduce import END_COPIES
+
+    ends = [0]
+    lossy = [False]
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = engines_of(nodes)
+            send = nodes[0].transport.send
+
+            def spy(dst: str, frames: Any, *, urgent: bool = False) -> bool:
+                if msgpack.unpackb(bytes(frames[0]))["k"] in (Kind.RS_END, Kind.AG_END):
+                    ends[0] += 1
+                return bool(send(dst, frames, urgent=urgent))
+
+            nodes[0].transport.send = spy  # type: ignore[method-assign]
+            # from round 8 on, p1 loses everything p2 sends it in the reduce-scatter
+            lose_on_arrival(
+                nodes[1],
+                lambda p: lossy[0] and p.src == "p2" and p.kind in (Kind.RS_DATA, Kind.RS_END),
+            )
+            gen = torch.Generator().manual_seed(13)
+            per_round, slowest = [], []
+            for rnd in range(12):
+                lossy[0] = rnd >= 8
+                ends[0] = 0
+                inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
+                reports = await allreduce(drive, clock, engines, inputs)
+                per_round.append(ends[0])
+                slowest.append(max(r.elapsed_s for r in reports))
+                await drive(clock, clock.sleep(0.2))  # heartbeats carry each engine's flag
+            both_phases = 2 * (N - 1)
+            assert per_round[:4] == [both_phases * END_COPIES] * 4  # cold
+            assert per_round[4:8] == [both_phases] * 4  # quiet
+            # loss starts at p1, which p0 does not see: one copy (+ re-announces while it waits)
+            assert both_phases <= per_round[8] < both_phases * END_COPIES
+            # p1's heartbeat told p0 (+ re-announces while p0 waits for the slowed p1)
+            assert all(n >= both_phases * END_COPIES for n in per_round[9:]), per_round
+            assert max(slowest[8:]) < 0.5, slowest  # lost data and ENDs: cut, not the 2 s bound
 
     run_async(main())
