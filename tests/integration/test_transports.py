@@ -369,6 +369,9 @@ def test_close_is_idempotent_and_leaks_nothing(backend: str) -> None:
         for t in ts:
             await t.start(lambda frames: None)
         for a, b in itertools.pairwise(ts):
+            connect = getattr(a, "connect", None)
+            if connect is not None:  # ZeroMQ: so that the large frame really goes out
+                assert await connect(b.address, 3.0)
             a.send(b.address, [b"x", bytes(70_000)])  # opens a per-destination socket
         for t in ts:
             await t.close()
@@ -378,4 +381,10 @@ def test_close_is_idempotent_and_leaks_nothing(backend: str) -> None:
     run(churn(2))
     fds, threads, native = _fds(), threading.active_count(), _native_threads()
     run(churn(20))
-    assert (_fds(), threading.active_count(), _native_threads()) == (fds, threads, native)
+    # A leak grows with the 20 transports; a count may only shrink, when a thread an
+    # earlier test started (in the same process, e.g. a collected zmq context) ends now.
+    after = (_fds(), threading.active_count(), _native_threads())
+    assert all(a <= b for a, b in zip(after, (fds, threads, native), strict=True)), (
+        after,
+        (fds, threads, native),
+    )
