@@ -29,6 +29,7 @@ implementation adds: the networked ``rel_ppl`` should match ``ideal``.
     .venv/bin/python bench/quality.py              # all rates, 4 peers, ~5 min on 2 cores
     .venv/bin/python bench/quality.py --ideal      # + the in-process reference, ~10 min
     .venv/bin/python bench/quality.py --ideal-only --seeds 4 --plans 0.1   # reference only
+    .venv/bin/python bench/quality.py --ideal-only --plans 0.1 --steps 600 --ideal-loss-from 400
 
 The last stdout line is one JSON object:
 ``{"rel_ppl": {"0": 1.0, "0.1": ..., "0.1x8": ...}, "ppl": {...}, ...}``;
@@ -88,14 +89,16 @@ def key(loss: float, burst: float | None, copies: int = 1) -> str:
     return text + (f"r{copies}" if copies > 1 else "")
 
 
-def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
+def ideal_eval_loss(cfg: DemoConfig, phases: str = "both", loss_from: int = 0) -> float:
     """Final eval loss of the loss-tolerant algorithm simulated without a network.
 
     Same data, initial model, AdamW and LR schedule as ``gossipnet._demo``; chunks
     of ``cfg.chunk_bytes`` are owned in contiguous ranges; drops are Bernoulli
     ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.
     ``phases``: where packets are lost: ``"both"``, ``"rs"`` (gradients only) or
-    ``"ag"`` (parameter broadcasts only), to see which costs what.
+    ``"ag"`` (parameter broadcasts only), to see which costs what.  ``loss_from``:
+    the first step with loss (the steps before it are loss-free), e.g. to see what
+    loss costs late in training, close to the paper's fine-tuning setting.
     """
     torch.set_num_threads(1)
     train, held = load_corpus(cfg.corpus_bytes)
@@ -129,7 +132,8 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
             model.zero_grad()
             model.loss(sample_windows(shards[r], cfg.batch, cfg.context, gens[r])).backward()
             grads[r] = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        mask = arrived(rs_lost)  # reduce-scatter: divide by the contributions that arrived
+        lossy = step >= loss_from
+        mask = arrived(rs_lost if lossy else 0.0)  # reduce-scatter: / contributions arrived
         g = (grads * mask).sum(0) / mask.sum(0)
         m.mul_(0.9).add_(g, alpha=0.1)
         v.mul_(0.999).addcmul_(g, g, value=0.001)
@@ -137,7 +141,8 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
         new = theta[owner, torch.arange(size)] - lr_at(cfg, step) / (1 - 0.9**t) * m / (
             (v / (1 - 0.999**t)).sqrt() + 1e-8
         )
-        theta = torch.where(arrived(ag_lost), new, theta)  # all-gather: a missed chunk stays stale
+        # all-gather: a missed chunk stays stale
+        theta = torch.where(arrived(ag_lost if lossy else 0.0), new, theta)
     held_out = eval_windows(held, cfg.eval_windows, cfg.context)
     losses = []
     for r in range(n):
@@ -163,6 +168,13 @@ def main() -> None:
         choices=("both", "rs", "ag"),
         default="both",
         help="with --ideal/--ideal-only: lose packets in both phases, or only in one",
+    )
+    parser.add_argument(
+        "--ideal-loss-from",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="with --ideal/--ideal-only: loss-free until this step (late-training loss)",
     )
     parser.add_argument(
         "--plans",
@@ -201,16 +213,17 @@ def main() -> None:
         by_plan.setdefault(
             key(res.config.loss, res.config.burst, res.config.redundancy), []
         ).append(res)
-    ideal = simulate(cfgs, args.ideal_phases) if args.ideal else {}
+    ideal = simulate(cfgs, args.ideal_phases, args.ideal_loss_from) if args.ideal else {}
     report(args, base, by_plan, ideal, time.monotonic() - t0)
 
 
-def simulate(cfgs: list[DemoConfig], phases: str) -> dict[str, float]:
+def simulate(cfgs: list[DemoConfig], phases: str, loss_from: int = 0) -> dict[str, float]:
     """rel_ppl of the in-process reference per Bernoulli plan (bursty plans skipped)."""
     sims: dict[str, list[float]] = {}
     for c in cfgs:
         if c.burst is None:
-            sims.setdefault(key(c.loss, None, c.redundancy), []).append(ideal_eval_loss(c, phases))
+            loss = ideal_eval_loss(c, phases, loss_from)
+            sims.setdefault(key(c.loss, None, c.redundancy), []).append(loss)
     ref = sims[key(0.0, None)]
     # ppl ratio = exp(eval-loss difference), paired by data seed
     return {
@@ -224,7 +237,7 @@ def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
     t0 = time.monotonic()
     what = f"{len(cfgs)} runs of {base.steps} steps on {base.peers} replicas"
     print(f"quality (in-process reference only, loss in {args.ideal_phases}): {what}", flush=True)
-    ideal = simulate(cfgs, args.ideal_phases)
+    ideal = simulate(cfgs, args.ideal_phases, args.ideal_loss_from)
     for k, v in ideal.items():
         print(f"{k:>6} ideal rel_ppl {v:.4f}")
     emit_json(
@@ -232,6 +245,7 @@ def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
             "bench": "quality",
             "ideal_only": True,
             "phases": args.ideal_phases,
+            "loss_from_step": args.ideal_loss_from,
             "peers": base.peers,
             "steps": base.steps,
             "seeds": args.seeds,
