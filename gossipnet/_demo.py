@@ -82,6 +82,9 @@ class DemoConfig:
     redundancy: int = 1  # Config.redundancy: copies of every data packet
     timeout_s: float = 2.0  # per collective: 30x a loaded round on loopback; caps stalls
     corpus_bytes: int = 4_000_000
+    #: First step with loss (random loss only); the steps before it are loss-free, to
+    #: see what loss costs late in training, near the paper's fine-tuning setting.
+    loss_from: int = 0
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.steps < 1 or self.batch < 1 or self.context < 2:
@@ -98,20 +101,42 @@ class DemoConfig:
             raise ValueError(f"redundancy must be in [1, 8], got {self.redundancy}")
         if self.eval_every < 1 or self.eval_windows < 1:
             raise ValueError("eval_every and eval_windows must be >= 1")
+        if not 0 <= self.loss_from < self.steps or (self.loss_from and self.burst is not None):
+            raise ValueError(
+                f"loss_from must be in [0, steps) and needs random (not bursty) loss,"
+                f" got {self.loss_from}"
+            )
 
-    def fault_plan(self) -> FaultPlan | None:
-        """The :class:`gossipnet.FaultPlan` of this run (None when lossless)."""
+    def fault_plan(self, late: LateLoss | None = None) -> FaultPlan | None:
+        """The :class:`gossipnet.FaultPlan` of this run (None when lossless).
+
+        ``late``: with ``loss_from``, the switch the training loop turns on at that step.
+        """
         if self.loss == 0.0:
             return None
         if self.burst is not None:
             return FaultPlan(seed=self.seed, burst=GilbertElliott.from_rate(self.loss, self.burst))
+        if late is not None:
+            return FaultPlan(seed=self.seed, link_loss=late)
         return FaultPlan(seed=self.seed, loss=self.loss)
 
     def label(self) -> str:
         """A short name for tables and plot legends, e.g. ``loss=10% burst=8``."""
         text = f"loss={self.loss:.0%}" if self.loss else "lossless"
         text += f" burst={self.burst:g}" if self.burst and self.loss else ""
+        text += f" from step {self.loss_from}" if self.loss_from and self.loss else ""
         return text + (f" x{self.redundancy} copies" if self.redundancy > 1 else "")
+
+
+class LateLoss:
+    """``FaultPlan.link_loss`` that is 0 until the training loop sets ``on``."""
+
+    def __init__(self, loss: float) -> None:
+        self.loss = loss
+        self.on = False
+
+    def __call__(self, src: str, dst: str, t: float) -> float:
+        return self.loss if self.on else 0.0
 
 
 @dataclass(slots=True)
@@ -342,11 +367,12 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
     }
     if cfg.chunk_bytes is not None:
         overrides["chunk_bytes"] = cfg.chunk_bytes
+    late = LateLoss(cfg.loss) if cfg.loss_from else None
     with join(
         peers=addrs,
         listen=addrs[rank],
         secret=b"gossipnet-demo",
-        faults=cfg.fault_plan(),
+        faults=cfg.fault_plan(late),
         peer_id=f"peer{rank}",
         run=f"gossipnet-demo-{run}",
         collective_timeout_s=cfg.timeout_s,
@@ -360,6 +386,8 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
             if parent is not None and not parent.is_alive():
                 raise SystemExit("the parent process is gone")  # killed: do not linger
             t0 = time.perf_counter()
+            if late is not None and step == cfg.loss_from:
+                late.on = True
             for group in base.param_groups:
                 group["lr"] = lr_at(cfg, step)
             loss = model.loss(sample_windows(shard, cfg.batch, cfg.context, gen))
