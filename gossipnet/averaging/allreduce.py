@@ -14,13 +14,13 @@ for it (stale, never zero) and the report counts it.
 Why phases end early: after its data every sender sends a tiny END marker
 (``END_COPIES`` copies, so all are lost with probability p^5) that says how
 many packets it sent.  A phase ends the moment every expected END arrived,
-so time per round does not grow with the loss rate.  Where no loss has been
-seen for ``_QUIET_ROUNDS`` rounds, by us or (through heartbeats) by any peer,
-one copy goes out instead: a sender whose data all arrived is complete without
-its END, and at 1M elements the copies were half of all packets sent.  A deadline learned
+so time per round does not grow with the loss rate.  A deadline learned
 from the spans of recent complete phases (``phase_deadline_factor`` x the
 median span), capped by the call's timeout, bounds a phase when ENDs or a
-whole peer are lost.
+whole peer are lost.  Where no loss has been seen for ``_QUIET_ROUNDS``
+rounds, by us or by any peer (a flag on its END markers and heartbeats), one
+END copy goes out instead of five: a sender whose data all arrived is complete
+without its END, and at 1M elements the copies were half of all packets sent.
 
 Redundancy (``Config.redundancy`` = k > 1): every data packet goes out k
 times, the copies trailing the originals by a few hundred packets, so a chunk
@@ -287,8 +287,9 @@ class LossyAllReduce:
         """END copies for this round: ``END_COPIES`` unless the network has been quiet.
 
         Why quiet means one: ENDs only matter to a receiver that lost data (all of a
-        sender's data completes it without one).  Why peers' heartbeats count too:
-        loss on our outgoing links shows at the receivers, not here.  If loss starts
+        sender's data completes it without one).  Why peers' flags count too (on
+        their END markers and heartbeats): loss on our outgoing links shows at the
+        receivers, not here.  If loss starts
         while we send one copy, a receiver that lost data and that END waits for
         our END re-announce or its learned cut, for that round only.
         """
@@ -353,9 +354,10 @@ class LossyAllReduce:
         the receiver's replay window drops the others.
         """
         codec = self.node.codec
+        lossy = int(self._recent_loss())
         for peer in rnd.participants:
             if peer != rnd.me:
-                end = {"r": rnd.r, "m": rnd.mode, "n": rnd.rs_sent_to[peer]}
+                end = {"r": rnd.r, "m": rnd.mode, "n": rnd.rs_sent_to[peer], "l": lossy}
                 frames = codec.encode(self.k.rs_end, end)
                 for _ in range(copies):
                     self.node.send_frames((peer,), frames)
@@ -363,9 +365,8 @@ class LossyAllReduce:
     def _announce_ag_end(self, rnd: Round, copies: int = 1) -> None:
         """END of our all-gather to every other participant (one encoding for all)."""
         others = [p for p in rnd.participants if p != rnd.me]
-        frames = self.node.codec.encode(
-            self.k.ag_end, {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent}
-        )
+        end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent, "l": int(self._recent_loss())}
+        frames = self.node.codec.encode(self.k.ag_end, end)
         for _ in range(copies):
             self.node.send_frames(others, frames)
 
@@ -636,6 +637,7 @@ class LossyAllReduce:
             n = pkt.fields.get("n")
             if isinstance(n, int) and n >= 0:
                 phase.declared[pkt.src] = n
+            self._peer_loss_flag(pkt)
             if pkt.src not in phase.done:
                 span = phase.finish(pkt.src, self.node.clock.now())
                 self._spans["rs" if kind == self.k.rs_end else "ag"].append(span)
@@ -711,11 +713,15 @@ class LossyAllReduce:
         if rnd.ag.received[pkt.src] >= rnd.ag_expected(pkt.src) and (pkt.src not in rnd.ag.done):
             self._spans["ag"].append(rnd.ag.finish(pkt.src, self.node.clock.now()))
 
-    def _on_heartbeat(self, pkt: Packet) -> None:
-        if pkt.fields.get(self._loss_key):
+    def _peer_loss_flag(self, pkt: Packet) -> None:
+        """A peer's "I saw loss recently" flag, from its END markers or heartbeats."""
+        if pkt.fields.get("l", pkt.fields.get(self._loss_key)):
             self._lossy_peers.add(pkt.src)
         else:
             self._lossy_peers.discard(pkt.src)
+
+    def _on_heartbeat(self, pkt: Packet) -> None:
+        self._peer_loss_flag(pkt)
         nxt = pkt.fields.get(self.tag)
         if not isinstance(nxt, int):
             return
