@@ -214,7 +214,7 @@ class LossyAllReduce:
         r = max(self.next_round, self.max_seen)
         parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
         rnd = Round(
-            r, node.peer_id, parts, src, dst, weight, self._chunk_sizes(src), mode,
+            r, node.peer_id, parts, src, dst, weight, self._chunk_sizes(src, len(parts)), mode,
             node.config.redundancy if redundancy is None else redundancy, self._pool,
         )  # fmt: skip
         self._round = rnd
@@ -299,13 +299,16 @@ class LossyAllReduce:
             return END_COPIES
         return 1
 
-    def _chunk_sizes(self, src: Sequence[torch.Tensor]) -> list[int]:
+    def _chunk_sizes(self, src: Sequence[torch.Tensor], participants: int) -> list[int]:
         """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket."""
         fixed = self.node.config.chunk_bytes
         transport = self.node.transport
         base = transport.default_chunk_bytes if transport is not None else 64 * 1024
         cap = getattr(transport, "max_chunk_bytes", base)
-        return [fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap) for b in src]
+        return [
+            fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
+            for b in src
+        ]
 
     async def _send_rs(self, rnd: Round, weight: float) -> None:
         node = self.node

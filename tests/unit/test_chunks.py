@@ -339,6 +339,11 @@ def test_auto_chunk_bytes_grows_with_the_bucket_within_bounds() -> None:
         size = auto_chunk_bytes(n, base, cap)
         assert size % base == 0
         assert base <= size <= cap
+    # with a participant count: one chunk per owner until the cap
+    assert auto_chunk_bytes(4 * cap, base, cap, chunks=4) == cap
+    assert auto_chunk_bytes(2 * cap, base, cap, chunks=4) == cap // 2
+    assert auto_chunk_bytes(3 * base, base, cap, chunks=4) == base  # never below the base
+    assert auto_chunk_bytes(10**9, base, cap, chunks=0) == cap  # a degenerate count is safe
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
