@@ -33,7 +33,7 @@ from typing import ClassVar
 
 from ..clock import Clock, TimerHandle
 from ..errors import ClosedError, ConfigError
-from .base import Buffer, PacketHandler, Transport, TransportStats, is_frozen
+from .base import Buffer, PacketHandler, Transport, TransportStats
 
 __all__ = ("Crash", "FaultPlan", "FaultStats", "FaultyTransport", "GilbertElliott", "Partition")
 
@@ -311,8 +311,9 @@ class _LinkState:
 
 
 def _frozen(frames: Sequence[Buffer]) -> list[Buffer]:
-    # A delayed packet outlives send(): copy what the caller may reuse (see is_frozen).
-    return [f if is_frozen(f) else bytes(f) for f in frames]
+    # A delayed packet outlives send(): keep what was sent, as a network would, even of
+    # frames the sender promised not to change (is_frozen) while a real queue holds them.
+    return [f if type(f) is bytes else bytes(f) for f in frames]
 
 
 class FaultyTransport(Transport):
