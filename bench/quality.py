@@ -32,7 +32,7 @@ implementation adds: the networked ``rel_ppl`` should match ``ideal``.
     .venv/bin/python bench/quality.py              # all rates, 4 peers, ~5 min on 2 cores
     .venv/bin/python bench/quality.py --ideal      # + the in-process reference, ~10 min
     .venv/bin/python bench/quality.py --ideal-only --seeds 4 --plans 0.1   # reference only
-    .venv/bin/python bench/quality.py --ideal-only --plans 0.1 --steps 600 --ideal-loss-from 400
+    .venv/bin/python bench/quality.py --ideal-only --plans 0.1late --steps 600   # loss late
 
 The last stdout line is one JSON object:
 ``{"rel_ppl": {"0": 1.0, "0.1": ..., "0.1x8": ...}, "ppl": {...}, ...}``;
@@ -109,16 +109,15 @@ def plan_key(cfg: DemoConfig) -> str:
     return key(cfg.loss, cfg.burst, cfg.redundancy, cfg.loss_from > 0)
 
 
-def ideal_eval_loss(cfg: DemoConfig, phases: str = "both", loss_from: int = 0) -> float:
+def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     """Final eval loss of the loss-tolerant algorithm simulated without a network.
 
     Same data, initial model, AdamW and LR schedule as ``gossipnet._demo``; chunks
     of ``cfg.chunk_bytes`` are owned in contiguous ranges; drops are Bernoulli
     ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.
     ``phases``: where packets are lost: ``"both"``, ``"rs"`` (gradients only) or
-    ``"ag"`` (parameter broadcasts only), to see which costs what.  ``loss_from``:
-    the first step with loss (the steps before it are loss-free), e.g. to see what
-    loss costs late in training, close to the paper's fine-tuning setting.
+    ``"ag"`` (parameter broadcasts only), to see which costs what.  Steps before
+    ``cfg.loss_from`` (the ``late`` plans) are loss-free.
     """
     torch.set_num_threads(1)
     train, held = load_corpus(cfg.corpus_bytes)
@@ -152,7 +151,7 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both", loss_from: int = 0) -
             model.zero_grad()
             model.loss(sample_windows(shards[r], cfg.batch, cfg.context, gens[r])).backward()
             grads[r] = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-        lossy = step >= loss_from
+        lossy = step >= cfg.loss_from
         mask = arrived(rs_lost if lossy else 0.0)  # reduce-scatter: / contributions arrived
         g = (grads * mask).sum(0) / mask.sum(0)
         m.mul_(0.9).add_(g, alpha=0.1)
@@ -188,13 +187,6 @@ def main() -> None:
         choices=("both", "rs", "ag"),
         default="both",
         help="with --ideal/--ideal-only: lose packets in both phases, or only in one",
-    )
-    parser.add_argument(
-        "--ideal-loss-from",
-        type=int,
-        default=0,
-        metavar="STEP",
-        help="with --ideal/--ideal-only: loss-free until this step (late-training loss)",
     )
     parser.add_argument(
         "--plans",
@@ -238,17 +230,16 @@ def main() -> None:
     by_plan: dict[str, list[DemoResult]] = {}
     for res in results:
         by_plan.setdefault(plan_key(res.config), []).append(res)
-    ideal = simulate(cfgs, args.ideal_phases, args.ideal_loss_from) if args.ideal else {}
+    ideal = simulate(cfgs, args.ideal_phases) if args.ideal else {}
     report(args, base, by_plan, ideal, time.monotonic() - t0)
 
 
-def simulate(cfgs: list[DemoConfig], phases: str, loss_from: int = 0) -> dict[str, float]:
+def simulate(cfgs: list[DemoConfig], phases: str) -> dict[str, float]:
     """rel_ppl of the in-process reference per Bernoulli plan (bursty plans skipped)."""
     sims: dict[str, list[float]] = {}
     for c in cfgs:
         if c.burst is None:
-            loss = ideal_eval_loss(c, phases, c.loss_from or loss_from)
-            sims.setdefault(plan_key(c), []).append(loss)
+            sims.setdefault(plan_key(c), []).append(ideal_eval_loss(c, phases))
     ref = sims[key(0.0, None)]
     # ppl ratio = exp(eval-loss difference), paired by data seed
     return {
@@ -262,7 +253,7 @@ def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
     t0 = time.monotonic()
     what = f"{len(cfgs)} runs of {base.steps} steps on {base.peers} replicas"
     print(f"quality (in-process reference only, loss in {args.ideal_phases}): {what}", flush=True)
-    ideal = simulate(cfgs, args.ideal_phases, args.ideal_loss_from)
+    ideal = simulate(cfgs, args.ideal_phases)
     for k, v in ideal.items():
         print(f"{k:>6} ideal rel_ppl {v:.4f}")
     emit_json(
@@ -270,7 +261,6 @@ def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
             "bench": "quality",
             "ideal_only": True,
             "phases": args.ideal_phases,
-            "loss_from_step": args.ideal_loss_from,
             "peers": base.peers,
             "steps": base.steps,
             "seeds": args.seeds,

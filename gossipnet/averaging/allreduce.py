@@ -111,6 +111,7 @@ class LossyAllReduce:
     ) -> None:
         self.node = node
         self.tag = tag
+        self._loss_key = tag + ".loss"  # our heartbeat's "I saw loss recently" flag
         self.k = kinds
         self.next_round = 0
         self.max_seen = -1
@@ -275,10 +276,6 @@ class LossyAllReduce:
         if report.packets_lost or report.timed_out or report.chunks_stale:
             self._loss_at = self._rounds_run
         self.node.beacon[self._loss_key] = int(self._recent_loss())
-
-    @property
-    def _loss_key(self) -> str:
-        return self.tag + ".loss"
 
     def _recent_loss(self) -> bool:
         return self._rounds_run - self._loss_at < _QUIET_ROUNDS

@@ -305,9 +305,8 @@ class ZmqTransport(Transport):
             if sock is None:
                 stats.dropped_unreachable += 1
                 return False
-        nbytes = 0
-        for frame in frames:
-            nbytes += _nbytes(frame)
+        sizes = [_nbytes(frame) for frame in frames]
+        nbytes = sum(sizes)
         if nbytes > self._max_packet:
             stats.dropped_oversize += 1
             return False
@@ -320,7 +319,7 @@ class ZmqTransport(Transport):
             # A multipart message is atomic in ZeroMQ: if the first part is accepted
             # the rest are too, so Again can only come from the first send.
             for i, frame in enumerate(frames):
-                copy = _nbytes(frame) < zc_min or not is_frozen(frame)
+                copy = sizes[i] < zc_min or not is_frozen(frame)
                 sock.send(frame, _FLAGS_MORE if i < last else zmq.NOBLOCK, copy=copy)
         except zmq.Again:
             stats.dropped_queue_full += 1

@@ -93,7 +93,7 @@ from gossipnet.testbed import Testbed
 tb = Testbed(hosts=2).up()
 tb.hosts[0].popen(["sleep", "600"])
 print(tb.name, flush=True)
-time.sleep(120)
+time.sleep(120)  # not a wait on a condition: lives until the test signals it; caps a stray child
 """
 
 

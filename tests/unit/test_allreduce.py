@@ -21,7 +21,7 @@ import torch
 
 from gossipnet import CollectiveReport, Config, FakeClock, FaultPlan
 from gossipnet._node import Node
-from gossipnet.averaging.allreduce import LossyAllReduce, OwnedShard
+from gossipnet.averaging.allreduce import END_COPIES, LossyAllReduce, OwnedShard
 from gossipnet.averaging.chunks import ChunkPlan, ShardMap
 from gossipnet.clock import Clock
 from gossipnet.testing import MemoryNetwork, MemoryTransport
@@ -958,8 +958,6 @@ def test_end_markers_go_out_once_on_a_quiet_network_and_in_copies_once_loss_show
     peer) one; loss seen at *another* peer (our outgoing link) brings the copies
     back through its heartbeat, and rounds with lost data and lost ENDs still end
     quickly."""
-    from gossipnet.averaging.allreduce import END_COPIES
-
     ends = [0]
     lossy = [False]
 
