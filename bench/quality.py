@@ -175,6 +175,9 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=None, help="default 4 (quick: 3)")
     parser.add_argument("--steps", type=int, default=None, help="default 300 (quick: 150)")
     parser.add_argument("--seeds", type=int, default=1, help="data seeds per row")
+    parser.add_argument(
+        "--lr", type=float, default=None, help="peak learning rate (default DemoConfig's, 3e-3)"
+    )
     parser.add_argument("--strategy", choices=("allreduce", "grads"), default="allreduce")
     parser.add_argument("--ideal", action="store_true", help="add the in-process reference")
     parser.add_argument(
@@ -206,6 +209,7 @@ def main() -> None:
         peers=args.peers or (3 if args.quick else 4),
         steps=args.steps or (150 if args.quick else 300),
         strategy=args.strategy,
+        **({"lr": args.lr} if args.lr else {}),
         eval_every=10**9,  # the final evaluation only: it is all this bench reads
     )
     cfgs = [
@@ -263,6 +267,7 @@ def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
             "phases": args.ideal_phases,
             "peers": base.peers,
             "steps": base.steps,
+            "lr": base.lr,
             "seeds": args.seeds,
             "rel_ppl": {k: round(v, 5) for k, v in ideal.items()},
             "wall_s": round(time.monotonic() - t0, 1),
