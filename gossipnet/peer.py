@@ -5,35 +5,35 @@ the peer's event-loop thread (:mod:`gossipnet._loop`) and waits for it
 with a deadline.  Tensors cross threads as CPU copies made by the caller's
 thread; results are written back on the caller's thread, so the trainer
 never races the network.
+
+This module holds what users call and read: ``join()``, the collectives,
+the optimizer and micro-batches.  The machinery under them lives in
+internal modules: ``_peer_core.py`` (loop thread, node, engines, blocking
+calls, shutdown), ``_join.py`` (arguments and environment to settings) and
+``_collective.py`` (flat buffers, CPU staging, write-back).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import secrets as _secrets
-import socket
-from collections.abc import Coroutine, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
 from . import _signals
-from ._loop import LoopThread
-from ._microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
-from ._node import Node
+from ._collective import moshpit_bound_s, moshpit_config, stage
+from ._join import resolve_join
+from ._microbatch import MicrobatchLoop, MicrobatchReport, TauSpec
+from ._peer_core import PeerCore
 from ._route_optim import route_average
 from .averaging.allreduce import LossyAllReduce
-from .averaging.blink.island import IslandAverage
-from .averaging.chunks import FlatBuffer, all_finite
+from .averaging.chunks import FlatBuffer
 from .averaging.dropcompute import Normalise
-from .averaging.moshpit import MoshpitAverager
-from .averaging.route import RouteAverager, RouteTime
-from .averaging.statesync import StateSync
+from .averaging.route import RouteTime
 from .clock import Clock
 from .config import Config
-from .errors import ClosedError, ConfigError
+from .errors import ConfigError
 from .mobility.radio import RadioModel
 from .mobility.routes import Route
 from .mobility.schedule import ScheduleConfig
@@ -48,156 +48,15 @@ __all__ = ("Peer", "join")
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_LOOPBACK = ("127.", "localhost", "::1")
 
-
-def _torchrun_settings() -> tuple[list[str], str, str, int] | None:
-    """(bootstrap, listen, peer_id, world_size) from torchrun's variables, if set.
-
-    Rank 0 listens on ``MASTER_PORT + 1`` of ``MASTER_ADDR``; every rank
-    bootstraps from it and listens on a free port of its own.  The peer id is
-    ``rank<N>``, so a restarted rank (``--max-restarts``) comes back under the
-    same name with a newer epoch.
-    """
-    env = os.environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        return None
-    try:
-        rank = int(env["RANK"])
-        world = int(env["WORLD_SIZE"])
-        port = int(env.get("MASTER_PORT", "29500")) + 1
-    except ValueError as err:
-        raise ConfigError(f"torchrun variables are not integers: {err}") from err
-    master = env.get("MASTER_ADDR", "127.0.0.1")
-    if master in ("localhost",):
-        master = "127.0.0.1"
-    rank0 = f"tcp://{master}:{port}"
-    listen = f"tcp://0.0.0.0:{port}" if rank == 0 else "tcp://0.0.0.0:0"
-    return [rank0], listen, f"rank{rank}", world
-
-
-def _advertise_host(bootstrap: Sequence[str]) -> str | None:
-    """The host to advertise when listening on a wildcard address.
-
-    Loopback peers get ``127.0.0.1``; otherwise the kernel's source address
-    toward the first bootstrap peer (a connected UDP socket sends nothing).
-    Why not ``gethostbyname(gethostname())``: inside containers and network
-    namespaces it often resolves to 127.0.0.1, which peers cannot dial.
-    """
-    hosts = [b.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]") for b in bootstrap]
-    if not hosts or all(h.startswith(_LOOPBACK) for h in hosts):
-        return "127.0.0.1"
-    for host in hosts:
-        if host.startswith(_LOOPBACK):
-            continue
-        try:
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            with socket.socket(family, socket.SOCK_DGRAM) as probe:
-                probe.connect((host, 9))
-                return str(probe.getsockname()[0])
-        except OSError:
-            continue
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return None
-
-
-class Peer:
+class Peer(PeerCore):
     """A running gossipnet peer; create it with :func:`join`.
 
     Thread-safe: any thread may call its methods, except the peer's own
     event-loop thread (that raises ``RuntimeError`` instead of deadlocking).
+    Identity, ``alive_peers``, ``stats``, ``wait_for_peers``, ``leave`` and
+    ``close`` come from :class:`gossipnet._peer_core.PeerCore`.
     """
-
-    def __init__(
-        self,
-        *,
-        config: Config,
-        listen: str,
-        peer_id: str,
-        bootstrap: Sequence[str],
-        secret: bytes | None,
-        faults: Any = None,
-        clock: Clock | None = None,
-        network: Any = None,
-        expected_peers: int | None = None,
-    ) -> None:
-        self.config = config
-        self._loop = LoopThread(f"gossipnet-{peer_id}", use_uvloop=config.use_uvloop)
-        self._node = Node(
-            config=config,
-            listen=listen,
-            peer_id=peer_id,
-            secret=secret,
-            bootstrap=bootstrap,
-            clock=clock,
-            faults=faults,
-            network=network,
-            advertise_host=_advertise_host(bootstrap),
-        )
-        self._closed = False
-        self._allreduce: LossyAllReduce | None = None
-        self._moshpit: MoshpitAverager | None = None
-        self._statesync: StateSync | None = None
-        self._route: RouteAverager | None = None
-        self._island: IslandAverage | None = None
-        self._flats: dict[tuple[Any, ...], FlatBuffer] = {}
-        self._microbatch = MicrobatchState()
-        try:
-            self._loop.call(self._start(), timeout_s=config.control_timeout_s + 10)
-            if expected_peers is None:
-                # our own address was removed from the bootstrap list at start
-                expected_peers = len(self._node.bootstrap) + 1
-            if expected_peers > 1:
-                ok = self._loop.call(
-                    self._node.wait_for_peers(expected_peers, config.join_timeout_s),
-                    timeout_s=config.join_timeout_s + 5,
-                )
-                if not ok:
-                    log.warning(
-                        "peer %s: %d of %d expected peers alive after %.1f s; going on",
-                        peer_id,
-                        len(self.alive_peers()),
-                        expected_peers,
-                        config.join_timeout_s,
-                    )
-        except BaseException:
-            self.close(announce=False)
-            raise
-
-    # ------------------------------------------------------------------ identity
-    @property
-    def peer_id(self) -> str:
-        return self._node.peer_id
-
-    @property
-    def address(self) -> str:
-        return self._node.address
-
-    @property
-    def node(self) -> Node:
-        """The async runtime (use only from the peer's loop thread)."""
-        return self._node
-
-    def alive_peers(self) -> list[str]:
-        """Peers currently believed alive, sorted, this one included."""
-        return self._call(self._alive())
-
-    async def _alive(self) -> list[str]:
-        return self._node.alive_peers()
-
-    def stats(self) -> dict[str, Any]:
-        """Transport, fault and wire counters (a snapshot)."""
-        return self._call(self._stats())
-
-    async def _stats(self) -> dict[str, Any]:
-        return self._node.stats()
-
-    def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:
-        """Block until ``count`` peers (self included) are alive; False at the deadline."""
-        t = self.config.join_timeout_s if timeout_s is None else timeout_s
-        return self._call(self._node.wait_for_peers(count, t), t + 5)
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(
@@ -227,25 +86,17 @@ class Peer:
         """
         if not tensors:
             raise ValueError("all_reduce needs at least one tensor")
-        flat = self._flat_for(tensors)
-        buckets = flat.flatten(tensors)
-        nonfinite = not all(all_finite(b) for b in buckets)
-        if nonfinite:
+        staged = stage(self._flat_for(tensors), tensors)
+        if staged.nonfinite:
             log.warning(
                 "peer %s: non-finite values in all_reduce input; contributing weight 0 this round",
                 self.peer_id,
             )
-            for b in buckets:
-                torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
             weight = 0.0
-        cpu = [b if b.device.type == "cpu" else b.cpu() for b in buckets]
         t = self.config.collective_timeout_s if timeout is None else timeout
-        report = self._call(self._all_reduce(cpu, weight, t), t + 30)
-        for b, c in zip(buckets, cpu, strict=True):
-            if b is not c:
-                b.copy_(c)
-        flat.unflatten_into(tensors)
-        if nonfinite:
+        report = self._call(self._all_reduce(staged.cpu, weight, t), t + 30)
+        staged.write_back(tensors)
+        if staged.nonfinite:
             report.extra["nonfinite_local"] = 1.0
         return report
 
@@ -364,43 +215,18 @@ class Peer:
             raise ValueError("average needs at least one tensor")
         averager = self._moshpit
         assert averager is not None
-        cfg = averager.config
-        if group_size is not None or timeout is not None:
-            cfg = dataclasses.replace(
-                cfg,
-                max_group_size=cfg.max_group_size if group_size is None else group_size,
-                round_timeout_s=cfg.round_timeout_s if timeout is None else timeout,
-            )
-        flat = self._flat_for(tensors)
-        buckets = flat.flatten(tensors)
-        if not all(all_finite(b) for b in buckets):
+        cfg = moshpit_config(averager.config, group_size, timeout)
+        staged = stage(self._flat_for(tensors), tensors)
+        if staged.nonfinite:
             log.warning("peer %s: non-finite values to average; weight 0 this call", self.peer_id)
-            for b in buckets:
-                torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
             weight = 0.0
-        cpu = [b if b.device.type == "cpu" else b.cpu() for b in buckets]
         n_rounds = rounds or averager.grid_for(len(self.alive_peers()), cfg).dims
-        per_round = cfg.matchmaking_timeout_s + 3 * cfg.reply_margin_s
-        per_round += cfg.round_timeout_s or self.config.collective_timeout_s
         coro = averager.average(
-            cpu, rounds=rounds, weight=weight, config=cfg, start_round=start_round
+            staged.cpu, rounds=rounds, weight=weight, config=cfg, start_round=start_round
         )
-        report = self._call(coro, (n_rounds + 1) * per_round + 30)
-        for b, c in zip(buckets, cpu, strict=True):
-            if b is not c:
-                b.copy_(c)
-        flat.unflatten_into(tensors)
+        report = self._call(coro, moshpit_bound_s(cfg, n_rounds, self.config.collective_timeout_s))
+        staged.write_back(tensors)
         return report
-
-    async def _start(self) -> None:
-        """Start the node and its engines on the loop thread, before any packet can
-        arrive for them (an engine created lazily would miss a fast peer's first round)."""
-        await self._node.start()
-        self._allreduce = LossyAllReduce(self._node)
-        self._moshpit = MoshpitAverager(self._node)
-        self._statesync = StateSync(self._node)
-        self._route = RouteAverager(self._node)
-        self._island = IslandAverage(self._node)
 
     def set_route(
         self,
@@ -435,14 +261,8 @@ class Peer:
         self._call(self._route.configure(route, radio, schedule, route_time))
 
     def _flat_for(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
-        flat = self._flats.get(key)
-        if flat is None:
-            flat = FlatBuffer(tensors)
-            if len(self._flats) > 8:
-                self._flats.clear()
-            self._flats[key] = flat
-        return flat
+        """The cached flat buffer for ``tensors``' layout (also used by route averaging)."""
+        return self._flats.get(tensors)
 
     def optimizer(
         self, base: torch.optim.Optimizer, strategy: str = "allreduce", **kwargs: Any
@@ -504,44 +324,6 @@ class Peer:
         """Finish the open ``microbatches`` loop; its report once per loop, else None."""
         return self._microbatch.take()
 
-    # ------------------------------------------------------------------ plumbing
-    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        if self._closed:
-            coro.close()
-            raise ClosedError("this peer has left; call gossipnet.join() again")
-        return self._loop.call(
-            coro, self.config.control_timeout_s + 30 if timeout_s is None else timeout_s
-        )
-
-    # ------------------------------------------------------------------ shutdown
-    def leave(self) -> None:
-        """Announce departure to the alive peers (bounded wait), then close."""
-        self.close(announce=True)
-
-    def close(self, *, announce: bool = False) -> None:
-        """Close sockets, cancel tasks, join the loop thread; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._loop.call(
-                self._node.close(announce=announce), timeout_s=self.config.control_timeout_s + 5
-            )
-        except (ClosedError, TimeoutError, RuntimeError):
-            log.warning("peer %s: close did not finish cleanly", self._node.peer_id)
-        finally:
-            self._loop.stop()
-
-    def __enter__(self) -> Peer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.leave()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"<gossipnet.Peer {self.peer_id} {self.address} {state}>"
-
 
 def join(
     peers: Sequence[str] | None = None,
@@ -582,36 +364,19 @@ def join(
     Returns:
         A running :class:`Peer` (also a context manager that leaves on exit).
     """
-    cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
-    bootstrap = list(peers) if peers is not None else []
-    peer_id = cfg.peer_id
-    expected = wait_for
-    if peers is None:
-        tr = _torchrun_settings()
-        if tr is not None:
-            bootstrap, tr_listen, tr_id, world = tr
-            listen = listen or tr_listen
-            peer_id = peer_id or tr_id
-            expected = expected if expected is not None else world
-    if listen is None:
-        scheme = bootstrap[0].split("://", 1)[0] if bootstrap else "tcp"
-        listen = "mem://" if scheme == "mem" else f"{scheme}://127.0.0.1:0"
-    if peer_id is None:
-        peer_id = f"{socket.gethostname()[:16]}-{os.getpid()}-{_secrets.token_hex(3)}"
-    if secret is None:
-        env_secret = os.environ.get("GOSSIPNET_SECRET")
-        secret = env_secret.encode() if env_secret else None
-    key = secret.encode() if isinstance(secret, str) else secret
+    plan = resolve_join(
+        peers, listen, secret=secret, config=config, wait_for=wait_for, overrides=overrides
+    )
     peer = Peer(
-        config=cfg,
-        listen=listen,
-        peer_id=peer_id,
-        bootstrap=bootstrap,
-        secret=key,
+        config=plan.config,
+        listen=plan.listen,
+        peer_id=plan.peer_id,
+        bootstrap=plan.bootstrap,
+        secret=plan.secret,
         faults=faults,
         clock=clock,
         network=network,
-        expected_peers=expected,
+        expected_peers=plan.expected_peers,
     )
     if route is not None or radio is not None:
         try:

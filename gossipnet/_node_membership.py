@@ -1,0 +1,186 @@
+"""A node's membership protocol: hello, views, heartbeats, leaving, waiting for peers.
+
+:class:`NodeMembership` sits between the packet I/O (:mod:`gossipnet._node_io`)
+and :class:`gossipnet._node.Node`.  Who is alive is decided by
+:class:`gossipnet.membership.Membership` from the packets that arrive; this
+layer produces those packets: a HELLO to every bootstrap address and newly
+learned peer, a HEARTBEAT carrying our view (and the engines' beacons) every
+interval, a LEAVE on close; and it answers them.  Why apart from the I/O: it
+runs on its own timer, never on the per-packet data path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from ._node_io import NodeIO, PacketCallback
+from .membership import MembershipCallback
+from .transport.wire import Kind, Packet
+
+__all__ = ("NodeMembership",)
+
+_MAX_VIEW_ENTRIES = 4096
+
+
+class NodeMembership(NodeIO):
+    """Membership messages and the heartbeat loop over :class:`NodeIO` (the base of ``Node``)."""
+
+    #: small int fields every heartbeat carries; see :class:`gossipnet._node.Node`.
+    beacon: dict[str, int]
+    _bootstrap: list[str]
+    _heartbeat_listeners: list[PacketCallback]
+
+    def _on_hello(self, pkt: Packet) -> None:
+        addr = pkt.fields.get("addr")
+        if isinstance(addr, str):
+            self.send_to_address(addr, Kind.HELLO_ACK, {"addr": self.address}, self._view_payload())
+
+    def on_heartbeat(self, callback: PacketCallback) -> None:
+        """Also call ``callback`` with every heartbeat (to read others' beacons)."""
+        self._heartbeat_listeners.append(callback)
+
+    def _on_view(self, pkt: Packet) -> None:
+        if pkt.kind == Kind.HEARTBEAT:
+            for cb in self._heartbeat_listeners:
+                cb(pkt)
+        if not pkt.payload or self.membership is None:
+            return
+        try:
+            view = msgpack.unpackb(
+                pkt.payload,
+                max_array_len=_MAX_VIEW_ENTRIES,
+                max_str_len=1024,
+                max_bin_len=0,
+                max_map_len=0,
+                max_ext_len=0,
+            )
+        except Exception:
+            self.codec.rejects["view_parse"] += 1
+            return
+        if not isinstance(view, list):
+            self.codec.rejects["view_parse"] += 1
+            return
+        for entry in view:
+            if (
+                isinstance(entry, list)
+                and len(entry) == 2
+                and all(isinstance(x, str) for x in entry)
+                and self.membership.learned(entry[0], entry[1])
+            ):
+                self.send_to_address(entry[1], Kind.HELLO, {"addr": self.address})
+
+    def _on_leave(self, pkt: Packet) -> None:
+        if self.membership is None:
+            return
+        address = self.membership.address_of(pkt.src)
+        self.membership.left(pkt.src, pkt.epoch)
+        self.codec.forget(pkt.src)
+        if address is not None:
+            # after a grace period: the ACK of this LEAVE is still queued on that socket
+            grace = min(self.config.control_timeout_s, 10 * self.config.control_retry_s)
+            self.clock.call_later(grace, lambda: self._forget(address))
+
+    def _forget(self, address: str) -> None:
+        """Release the transport's per-destination resources unless a peer uses it again."""
+        if self._closed or self.transport is None or self.membership is None:
+            return
+        if any(p.address == address for p in self.membership.known()):
+            return
+        self.transport.forget(address)
+
+    def _view_payload(self) -> bytes:
+        assert self.membership is not None
+        return msgpack.packb([list(e) for e in self.membership.view()])
+
+    # ------------------------------------------------------------------ membership
+    async def _connect_bootstrap(self) -> None:
+        """Let backends with lazy connections (ZeroMQ ``IMMEDIATE``) finish connecting
+        to the bootstrap peers first, so the first HELLO is not dropped and joining
+        takes milliseconds instead of a heartbeat interval."""
+        transport = self.transport
+        connect = getattr(transport, "connect", None) or getattr(
+            getattr(transport, "inner", None), "connect", None
+        )
+        if connect is None or not self._bootstrap:
+            return
+        await asyncio.gather(
+            *(connect(a, min(0.2, self.config.heartbeat_interval_s)) for a in self._bootstrap),
+            return_exceptions=True,
+        )
+
+    async def _connect_to(self, addresses: list[str]) -> None:
+        """Wait (bounded) until our own sends to ``addresses`` would be accepted.
+
+        Why: hearing from a peer says its socket to us is up, not ours to it; with
+        ZeroMQ's ``IMMEDIATE`` the first round's packets would be dropped otherwise.
+        """
+        transport = self.transport
+        connect = getattr(transport, "connect", None) or getattr(
+            getattr(transport, "inner", None), "connect", None
+        )
+        if connect is None:
+            return
+        await asyncio.gather(
+            *(connect(a, 0.5) for a in addresses if a != self.address), return_exceptions=True
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        assert self.membership is not None
+        interval = self.config.heartbeat_interval_s
+        await self._connect_bootstrap()
+        while not self._closed:
+            now = self.clock.now()
+            self.membership.expire(now)
+            for address in self.membership.prune(now, 10 * self.config.failure_timeout_s):
+                self._forget(address)
+            view = self._view_payload()
+            beat = {"addr": self.address, **self.beacon}
+            for info in self.membership.known():
+                if info.alive:
+                    self.send_to_address(info.address, Kind.HEARTBEAT, beat, view)
+                else:
+                    self.send_to_address(info.address, Kind.HELLO, {"addr": self.address})
+            known_addresses = {p.address for p in self.membership.known() if p.alive}
+            for address in self._bootstrap:
+                if address not in known_addresses:
+                    self.send_to_address(address, Kind.HELLO, {"addr": self.address})
+            await self.clock.sleep(interval / 2 if self.membership.version == 0 else interval)
+
+    def alive_peers(self) -> list[str]:
+        return self.membership.alive() if self.membership else [self.peer_id]
+
+    def on_membership(self, callback: MembershipCallback) -> None:
+        assert self.membership is not None, "start() the node first"
+        self.membership.on_change(callback)
+
+    async def wait_for_peers(self, count: int, timeout_s: float) -> bool:
+        """Wait until ``count`` peers (self included) are alive or the deadline passes."""
+        assert self.membership is not None, "start() the node first"
+        changed = asyncio.Event()
+
+        def wake(_event: str, _peer: str) -> None:
+            changed.set()
+
+        self.membership.on_change(wake)
+        deadline = self.clock.now() + timeout_s
+        try:
+            while len(self.alive_peers()) < count:
+                remaining = deadline - self.clock.now()
+                if remaining <= 0:
+                    return False
+                changed.clear()
+                waiter = asyncio.ensure_future(changed.wait())
+                try:
+                    await self._wait_future(waiter, remaining)
+                except TimeoutError:
+                    pass
+                finally:
+                    waiter.cancel()
+            await self._connect_to(
+                [a for a in (self.membership.address_of(p) for p in self.alive_peers()) if a]
+            )
+            return True
+        finally:
+            self.membership.off_change(wake)

@@ -1,0 +1,191 @@
+"""The machinery under :class:`gossipnet.Peer`: loop thread, node, engines, blocking calls.
+
+:class:`PeerCore` owns what a peer runs on: the event-loop thread
+(:mod:`gossipnet._loop`), the node (:mod:`gossipnet._node`) and the averaging
+engines, created on the loop before any packet can arrive for them.  Every
+public method is sync: it submits a coroutine to the loop and waits with a
+deadline (``_call``); from the loop thread that raises ``RuntimeError``
+instead of deadlocking.  Why a base class: :mod:`gossipnet.peer` keeps what
+users call (``join()``, the collectives, the optimizer, micro-batches) and
+their documentation; this module keeps how a call reaches the loop, who is
+alive, and shutdown.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any, Self, TypeVar
+
+from ._collective import FlatCache
+from ._join import advertise_host
+from ._loop import LoopThread
+from ._microbatch import MicrobatchState
+from ._node import Node
+from .averaging.allreduce import LossyAllReduce
+from .averaging.blink.island import IslandAverage
+from .averaging.moshpit import MoshpitAverager
+from .averaging.route import RouteAverager
+from .averaging.statesync import StateSync
+from .clock import Clock
+from .config import Config
+from .errors import ClosedError
+
+__all__ = ("PeerCore",)
+
+#: The facade's records keep its logger name, whichever module emits them.
+log = logging.getLogger("gossipnet.peer")
+T = TypeVar("T")
+
+
+class PeerCore:
+    """A started peer's runtime and lifecycle; the base of :class:`gossipnet.Peer`.
+
+    Thread-safe: any thread may call its methods, except the peer's own
+    event-loop thread (that raises ``RuntimeError`` instead of deadlocking).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        listen: str,
+        peer_id: str,
+        bootstrap: Sequence[str],
+        secret: bytes | None,
+        faults: Any = None,
+        clock: Clock | None = None,
+        network: Any = None,
+        expected_peers: int | None = None,
+    ) -> None:
+        self.config = config
+        self._loop = LoopThread(f"gossipnet-{peer_id}", use_uvloop=config.use_uvloop)
+        self._node = Node(
+            config=config,
+            listen=listen,
+            peer_id=peer_id,
+            secret=secret,
+            bootstrap=bootstrap,
+            clock=clock,
+            faults=faults,
+            network=network,
+            advertise_host=advertise_host(bootstrap),
+        )
+        self._closed = False
+        self._allreduce: LossyAllReduce | None = None
+        self._moshpit: MoshpitAverager | None = None
+        self._statesync: StateSync | None = None
+        self._route: RouteAverager | None = None
+        self._island: IslandAverage | None = None
+        self._flats = FlatCache()
+        self._microbatch = MicrobatchState()
+        try:
+            self._loop.call(self._start(), timeout_s=config.control_timeout_s + 10)
+            self._await_peers(expected_peers)
+        except BaseException:
+            self.close(announce=False)
+            raise
+
+    def _await_peers(self, expected_peers: int | None) -> None:
+        """Wait up to ``Config.join_timeout_s`` for the expected peers; warn, not raise.
+
+        ``expected_peers`` None: the bootstrap's distinct addresses plus us.
+        """
+        config = self.config
+        if expected_peers is None:
+            # our own address was removed from the bootstrap list at start
+            expected_peers = len(self._node.bootstrap) + 1
+        if expected_peers > 1:
+            ok = self._loop.call(
+                self._node.wait_for_peers(expected_peers, config.join_timeout_s),
+                timeout_s=config.join_timeout_s + 5,
+            )
+            if not ok:
+                log.warning(
+                    "peer %s: %d of %d expected peers alive after %.1f s; going on",
+                    self._node.peer_id,
+                    len(self.alive_peers()),
+                    expected_peers,
+                    config.join_timeout_s,
+                )
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def peer_id(self) -> str:
+        return self._node.peer_id
+
+    @property
+    def address(self) -> str:
+        return self._node.address
+
+    @property
+    def node(self) -> Node:
+        """The async runtime (use only from the peer's loop thread)."""
+        return self._node
+
+    def alive_peers(self) -> list[str]:
+        """Peers currently believed alive, sorted, this one included."""
+        return self._call(self._alive())
+
+    async def _alive(self) -> list[str]:
+        return self._node.alive_peers()
+
+    def stats(self) -> dict[str, Any]:
+        """Transport, fault and wire counters (a snapshot)."""
+        return self._call(self._stats())
+
+    async def _stats(self) -> dict[str, Any]:
+        return self._node.stats()
+
+    def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:
+        """Block until ``count`` peers (self included) are alive; False at the deadline."""
+        t = self.config.join_timeout_s if timeout_s is None else timeout_s
+        return self._call(self._node.wait_for_peers(count, t), t + 5)
+
+    async def _start(self) -> None:
+        """Start the node and its engines on the loop thread, before any packet can
+        arrive for them (an engine created lazily would miss a fast peer's first round)."""
+        await self._node.start()
+        self._allreduce = LossyAllReduce(self._node)
+        self._moshpit = MoshpitAverager(self._node)
+        self._statesync = StateSync(self._node)
+        self._route = RouteAverager(self._node)
+        self._island = IslandAverage(self._node)
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        if self._closed:
+            coro.close()
+            raise ClosedError("this peer has left; call gossipnet.join() again")
+        return self._loop.call(
+            coro, self.config.control_timeout_s + 30 if timeout_s is None else timeout_s
+        )
+
+    # ------------------------------------------------------------------ shutdown
+    def leave(self) -> None:
+        """Announce departure to the alive peers (bounded wait), then close."""
+        self.close(announce=True)
+
+    def close(self, *, announce: bool = False) -> None:
+        """Close sockets, cancel tasks, join the loop thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.call(
+                self._node.close(announce=announce), timeout_s=self.config.control_timeout_s + 5
+            )
+        except (ClosedError, TimeoutError, RuntimeError):
+            log.warning("peer %s: close did not finish cleanly", self._node.peer_id)
+        finally:
+            self._loop.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<gossipnet.Peer {self.peer_id} {self.address} {state}>"
