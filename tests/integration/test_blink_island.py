@@ -192,3 +192,33 @@ def test_handle_payloads_never_resolve_globals() -> None:
     with pytest.raises(ValueError, match="missing"):
         open_handles([("file", "/etc/passwd", 3, "f32")], [(3, torch.float32)])
     assert load_handles(pickle.dumps([("file", "/dev/shm/gossipnet-x", 3, "f32")]))
+
+
+def test_bucket_files_of_killed_processes_are_swept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGKILLed creator never unlinks its /dev/shm files; the next creator on the
+    machine removes them, and never a live process's file or a file not ours."""
+    import os
+    import signal
+
+    from gossipnet.averaging.blink import _island_share as share
+
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(timeout=10)
+    dead = tmp_path / f"gossipnet-{victim.pid}-0123456789ab"
+    live = tmp_path / f"gossipnet-{os.getppid()}-0123456789ab"
+    foreign = tmp_path / "gossipnet-notapid-x"
+    for f in (dead, live, foreign):
+        f.write_bytes(b"\0" * 64)
+    monkeypatch.setattr(share, "_SHM_DIR", str(tmp_path))
+    share._sweep_once.cache_clear()
+
+    buckets = share.SharedBuckets([(16, torch.float32)], torch.device("cpu"))
+
+    assert not dead.exists()
+    assert live.exists()
+    assert foreign.exists()
+    assert [os.path.dirname(p) for p in buckets.paths] == [str(tmp_path)]
+    assert share.sweep_stale(str(tmp_path)) == []  # our own fresh file is kept

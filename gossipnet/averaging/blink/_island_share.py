@@ -33,7 +33,7 @@ import torch
 
 from ...transport.wire import DTYPE_CODES, DTYPES
 
-__all__ = ("SharedBuckets", "host_id", "load_handles", "open_handles")
+__all__ = ("SharedBuckets", "host_id", "load_handles", "open_handles", "sweep_stale")
 
 _SHM_DIR = "/dev/shm"
 
@@ -56,6 +56,48 @@ def _shm_dir() -> str:
     return _SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir()
 
 
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, it is not ours
+        return True
+    return True
+
+
+def sweep_stale(directory: str | None = None) -> list[str]:
+    """Remove the bucket files of processes that no longer exist; returns their paths.
+
+    Why: a process killed with SIGKILL (an OOM kill, a preempted worker) never runs
+    its finalizers, so its ``/dev/shm`` files outlive it and hold RAM until reboot.
+    The file name carries the creator's pid, so the next process that shares buckets
+    on this machine removes what dead creators left.  A live pid is never touched,
+    even if it was reused by an unrelated process (the safe side); files whose name
+    does not parse are not ours and stay.
+    """
+    directory = directory or _shm_dir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            parts = name.split("-")
+            if len(parts) != 3 or parts[0] != "gossipnet" or not parts[1].isdigit():
+                continue
+            if int(parts[1]) == os.getpid() or _pid_alive(int(parts[1])):
+                continue
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    return removed
+
+
+@functools.cache
+def _sweep_once(directory: str) -> None:
+    sweep_stale(directory)
+
+
 def _unlink_all(paths: Sequence[str]) -> None:
     for p in paths:
         with contextlib.suppress(OSError):
@@ -68,7 +110,9 @@ class SharedBuckets:
     Args:
         layout: (numel, dtype) per bucket.
         device: ``cpu`` (files in ``/dev/shm``, removed when this object is collected
-            or the process exits normally) or a CUDA device (CUDA IPC).
+            or the process exits normally, or, after a kill, by the next process on
+            the machine that creates buckets: :func:`sweep_stale`) or a CUDA device
+            (CUDA IPC).
     """
 
     def __init__(self, layout: Sequence[tuple[int, torch.dtype]], device: torch.device) -> None:
@@ -82,11 +126,13 @@ class SharedBuckets:
             if device.type == "cuda":
                 self.buckets.append(torch.zeros(numel, dtype=dtype, device=device))
                 continue
+            _sweep_once(_shm_dir())  # once per process: what killed peers left behind
             path = os.path.join(_shm_dir(), f"gossipnet-{os.getpid()}-{secrets.token_hex(6)}")
             self.paths.append(path)
             self.buckets.append(torch.from_file(path, shared=True, size=numel, dtype=dtype))
-        # a killed process leaks its files (as torch's own file_system strategy would);
-        # a normal exit or garbage collection removes them
+        # a normal exit or garbage collection removes them; a killed process's files
+        # are removed by the next process on this machine that shares buckets
+        # (sweep_stale)
         weakref.finalize(self, _unlink_all, list(self.paths))
 
     def handles(self) -> bytes:
