@@ -1,9 +1,10 @@
 """State of one all-reduce round on one peer: phases, accumulators, the report.
 
-Split from :mod:`gossipnet.averaging.allreduce` so the engine module holds the
-protocol (what is sent when, what a packet does) and this one the bookkeeping
-it updates: per-phase END accounting, per-chunk weights and counts, which
-all-gather chunks arrived, and the :class:`CollectiveReport` built from them.
+Split from :mod:`gossipnet.averaging.allreduce` so the protocol modules (the
+engine there, the phases in :mod:`._scatter` and :mod:`.broadcast`) hold what is
+sent when and what a packet does, and this one the bookkeeping they update:
+per-phase END accounting, per-chunk weights and counts, which all-gather chunks
+arrived, and the :class:`CollectiveReport` built from them.
 """
 
 from __future__ import annotations

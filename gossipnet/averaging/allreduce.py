@@ -32,6 +32,13 @@ our own next round and the highest one any peer announced (data packets,
 heartbeat beacons), so a restarted or late peer catches up in one call.
 Packets for a round we have not started yet are buffered (bounded); older
 ones are dropped and counted as late.
+
+Layout: this module is the engine, i.e. the state kept across rounds (round
+numbers, early packets, learned spans, the END-copy policy), the round driver
+and the packet intake.  The phases are functions over the engine and a round:
+:mod:`._scatter` the reduce-scatter, :mod:`.broadcast` the all-gather, :mod:`._cut`
+when a phase ends, :mod:`._packets` redundant copies, chunk checks and
+:class:`EngineKinds`; :mod:`._round` a round's bookkeeping, :mod:`._repair` NACKs.
 """
 
 from __future__ import annotations
@@ -39,19 +46,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .._node import Node
 from ..rounds import CollectiveReport
-from ..transport.base import Buffer
-from ..transport.wire import DTYPE_CODES, DTYPES, Kind, Packet
+from ..transport.wire import DTYPE_CODES, Packet
 from . import _repair
-from ._round import BufferPool, OwnedShard, Phase, Round
-from .chunks import all_finite, as_bytes, auto_chunk_bytes, from_bytes
+from ._cut import wait_phase
+from ._packets import ALLREDUCE_KINDS, MOSHPIT_KINDS, EngineKinds
+from ._round import BufferPool, OwnedShard, Round
+from ._scatter import announce_rs_end, finish_rs, on_rs, send_rs
+from .broadcast import all_gather, on_ag
+from .chunks import auto_chunk_bytes
 
 __all__ = ("ALLREDUCE_KINDS", "MOSHPIT_KINDS", "EngineKinds", "LossyAllReduce", "OwnedShard")
 
@@ -60,47 +68,13 @@ log = logging.getLogger(__name__)
 END_COPIES = 5  # all lost with p^5: 0.2% per link at 30% loss
 #: Loss-free rounds (ours, and every peer's as their heartbeats say) before ENDs go out once.
 _QUIET_ROUNDS = 4
-_YIELD_EVERY = 32  # packets sent between yields, so receiving never starves
 _MAX_BUFFERED_PACKETS = 200_000
 _SPAN_HISTORY = 64
 _RS_SHARE = 0.6
-#: Redundant copies trail their originals by this many packets (see ``_send_copy``);
-#: well inside the default replay window of 8192 sequence numbers.
-_COPY_LAG = 256
-#: How long after a sender is known to have moved past a phase we still wait for its
-#: packets of that phase (in flight, or reordered behind its later packets).
-_MOVED_ON_GRACE_S = 0.02
-#: While a phase waits, our own END is re-sent after this long, then at doubling intervals.
-_END_REPEAT_S = 0.02
-_END_REPEAT_MAX_S = 0.1
-
-#: One data packet's destinations and encoded frames, kept for redundant copies.
-_Send = tuple[Sequence[str], list[Buffer]]
 
 #: ``on_reduced`` receives the owned shards with their averaged values and returns
 #: the values to broadcast for those ranges (same order), e.g. stepped parameters.
 ReduceHook = Callable[[list["OwnedShard"]], list[torch.Tensor]]
-
-
-@dataclass(frozen=True, slots=True)
-class EngineKinds:
-    """Packet kinds an engine instance owns, so several engines (the global
-    all-reduce, Moshpit's group rounds) can live on one node without mixing."""
-
-    rs_data: int
-    ag_data: int
-    rs_end: int
-    ag_end: int
-    repair: int
-
-    def all(self) -> tuple[int, ...]:
-        return (self.rs_data, self.ag_data, self.rs_end, self.ag_end, self.repair)
-
-
-ALLREDUCE_KINDS = EngineKinds(Kind.RS_DATA, Kind.AG_DATA, Kind.RS_END, Kind.AG_END, Kind.REPAIR)
-MOSHPIT_KINDS = EngineKinds(
-    Kind.MOSH_RS_DATA, Kind.MOSH_AG_DATA, Kind.MOSH_RS_END, Kind.MOSH_AG_END, Kind.MOSH_REPAIR
-)
 
 
 class LossyAllReduce:
@@ -212,6 +186,38 @@ class LossyAllReduce:
         node, clock = self.node, self.node.clock
         t0 = clock.now()
         deadline = t0 + timeout_s
+        rnd = self._start_round(src, dst, weight, participants, mode, redundancy)
+        try:
+            # the reduce-scatter may use at most 60% of the bound: the all-gather needs
+            # the rest, or a silent dead peer would leave every chunk stale
+            rs_deadline = t0 + _RS_SHARE * (deadline - t0)
+            rs_timed_out = not await self._reduce_scatter(rnd, weight, rs_deadline)
+            shards = finish_rs(rnd)
+            rnd.rs_closed = True
+            values = on_reduced(shards) if on_reduced else [s.average for s in shards]
+            # all-gather: our averaged shards to everyone, then wait for the others'
+            ag_timed_out = not await all_gather(self, rnd, shards, values, deadline)
+            if repair:
+                ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
+            report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
+            self._note_loss(report)
+            return report
+        finally:
+            self._round = None
+            self._last = rnd
+            node.beacon[self.tag] = self.next_round
+
+    def _start_round(
+        self,
+        src: list[torch.Tensor],
+        dst: list[torch.Tensor],
+        weight: float,
+        participants: Sequence[str] | None,
+        mode: int,
+        redundancy: int | None,
+    ) -> Round:
+        """Pick the round number and view, make the round current, drop older buffers."""
+        node = self.node
         r = max(self.next_round, self.max_seen)
         parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
         rnd = Round(
@@ -223,52 +229,35 @@ class LossyAllReduce:
         node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it
         for stale in [k for k in self._buffered if k < r]:
             self._nbuffered -= len(self._buffered.pop(stale))
-        try:
-            # reduce-scatter: replay what came early, then send our contributions
-            rnd.rs.start = clock.now()
-            for pkt in self._buffered.pop(r, []):
-                self._nbuffered -= 1
-                if pkt.fields.get("m", 0) != mode:
-                    self.dropped["mode_mismatch"] += 1
-                    continue
-                self._dispatch(rnd, pkt)
-            await self._send_rs(rnd, weight)
-            rnd.sending = False
-            for pkt in rnd.pending_ag:
-                self._on_ag(rnd, pkt)
-            rnd.pending_ag.clear()
-            # the reduce-scatter may use at most 60% of the bound: the all-gather needs
-            # the rest, or a silent dead peer would leave every chunk stale
-            rs_deadline = t0 + _RS_SHARE * (deadline - t0)
-            rs_timed_out = not await self._wait_phase(
-                rnd.rs,
-                "rs",
-                rs_deadline,
-                lambda _peer: rnd.expect_rs,
-                lambda: self._announce_rs_end(rnd),
-            )
-            shards = self._finish_rs(rnd)
-            rnd.rs_closed = True
-            values = on_reduced(shards) if on_reduced else [s.average for s in shards]
-            # all-gather: our averaged shards to everyone, then wait for the others'
-            rnd.ag.start = clock.now()
-            await self._send_ag(rnd, shards, values)
-            ag_timed_out = not await self._wait_phase(
-                rnd.ag,
-                "ag",
-                deadline,
-                lambda peer: rnd.ag_expected(peer),
-                lambda: self._announce_ag_end(rnd),
-            )
-            if repair:
-                ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
-            report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
-            self._note_loss(report)
-            return report
-        finally:
-            self._round = None
-            self._last = rnd
-            node.beacon[self.tag] = self.next_round
+        return rnd
+
+    async def _reduce_scatter(self, rnd: Round, weight: float, deadline: float) -> bool:
+        """Replay what came early, send our contributions, wait; True if complete.
+
+        All-gather packets that arrived while we were still sending are applied
+        only now: written into ``dst`` (often ``src`` itself) earlier, they would
+        change contributions not sent yet.
+        """
+        rnd.rs.start = self.node.clock.now()
+        for pkt in self._buffered.pop(rnd.r, []):
+            self._nbuffered -= 1
+            if pkt.fields.get("m", 0) != rnd.mode:
+                self.dropped["mode_mismatch"] += 1
+                continue
+            self._dispatch(rnd, pkt)
+        await send_rs(self, rnd, weight)
+        rnd.sending = False
+        for pkt in rnd.pending_ag:
+            on_ag(self, rnd, pkt)
+        rnd.pending_ag.clear()
+        return await wait_phase(
+            self.node,
+            rnd.rs,
+            self._spans["rs"],
+            deadline,
+            lambda _peer: rnd.expect_rs,
+            lambda: announce_rs_end(self, rnd),
+        )
 
     def _note_loss(self, report: CollectiveReport) -> None:
         """Remember whether this round saw loss; tell the peers through our heartbeat."""
@@ -306,277 +295,6 @@ class LossyAllReduce:
             fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
             for b in src
         ]
-
-    async def _send_rs(self, rnd: Round, weight: float) -> None:
-        node = self.node
-        per_dest: collections.Counter[str] = collections.Counter()
-        copies: collections.deque[_Send] | None = (
-            collections.deque() if rnd.redundancy > 1 else None
-        )
-        codes = [DTYPE_CODES[buf.dtype] for buf in rnd.src]
-        # Sliced per chunk: no per-chunk copy.  Read-only = frozen (transport.base.is_frozen):
-        # sent without a copy, as ``src`` does not change while the round runs.  What can
-        # change it is our own all-gather writing a chunk whose owner already cut us
-        # (dst is src for an in-place call) or the caller's next step while a packet to
-        # a peer we cut still sits in a queue; such a packet is useless to its owner by
-        # then, and fails its MAC there (counted, never used) instead of arriving stale.
-        raws = [as_bytes(buf).toreadonly() for buf in rnd.src]
-        for sent, (owner, b, c) in enumerate(self._rs_order(rnd), 1):
-            plan = rnd.plans[b]
-            raw, code = raws[b], codes[b]
-            _, count = plan.chunk(c)
-            fields = {
-                "r": rnd.r,
-                "m": rnd.mode,
-                "b": b,
-                "c": c,
-                "w": weight,
-                "dt": code,
-                "n": count,
-            }
-            frames = node.codec.encode(self.k.rs_data, fields, raw[plan.byte_slice(c)])
-            rnd.sent += node.send_frames((owner,), frames)
-            if copies is not None:
-                copies.append(((owner,), frames))
-                if len(copies) > _COPY_LAG:
-                    self._send_copy(rnd, copies.popleft())
-            per_dest[owner] += 1
-            if sent % _YIELD_EVERY == 0:
-                await asyncio.sleep(0)
-        await self._send_copies(rnd, copies)
-        rnd.rs_sent_to = per_dest
-        self._announce_rs_end(rnd, self._end_copies(rnd))
-
-    def _announce_rs_end(self, rnd: Round, copies: int = 1) -> None:
-        """END of our reduce-scatter to each other participant: how many we sent it.
-
-        ``copies`` are the same packet (one encoding): the first to arrive counts,
-        the receiver's replay window drops the others.
-        """
-        codec = self.node.codec
-        lossy = int(self._recent_loss())
-        for peer in rnd.participants:
-            if peer != rnd.me:
-                end = {"r": rnd.r, "m": rnd.mode, "n": rnd.rs_sent_to[peer], "l": lossy}
-                frames = codec.encode(self.k.rs_end, end)
-                for _ in range(copies):
-                    self.node.send_frames((peer,), frames)
-
-    def _announce_ag_end(self, rnd: Round, copies: int = 1) -> None:
-        """END of our all-gather to every other participant (one encoding for all)."""
-        others = [p for p in rnd.participants if p != rnd.me]
-        end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent, "l": int(self._recent_loss())}
-        frames = self.node.codec.encode(self.k.ag_end, end)
-        for _ in range(copies):
-            self.node.send_frames(others, frames)
-
-    @staticmethod
-    def _rs_order(rnd: Round) -> list[tuple[str, int, int]]:
-        """(owner, bucket, chunk) in sending order: round-robin over the owners,
-        each peer starting at the owner after itself.
-
-        Why: shards are contiguous, so chunk order would make every peer send to
-        the first owner at once, then all to the second: one receiver's buffers
-        overflow while the others idle.  Staggered round-robin spreads the load
-        over all receivers at every moment (and over a paced link's queues).
-        """
-        per_owner: dict[str, list[tuple[str, int, int]]] = {}
-        for b, smap in enumerate(rnd.maps):
-            for p in smap.participants:
-                if p == rnd.me:
-                    continue
-                chunks = smap.chunks_of(p)
-                if len(chunks):
-                    per_owner.setdefault(p, []).extend((p, b, c) for c in chunks)
-        parts = rnd.participants
-        me = parts.index(rnd.me) if rnd.me in parts else 0
-        ring = [parts[(me + i) % len(parts)] for i in range(1, len(parts))]
-        queues = [per_owner[p] for p in ring if p in per_owner]
-        longest = max((len(q) for q in queues), default=0)
-        return [q[i] for i in range(longest) for q in queues if i < len(q)]
-
-    def _finish_rs(self, rnd: Round) -> list[OwnedShard]:
-        shards = []
-        for b, plan in enumerate(rnd.plans):
-            span = rnd.maps[b].owned_range(rnd.me)
-            wsum = rnd.wsum[b]
-            acc = rnd.acc[b]
-            avg = acc
-            if len(span):
-                # one in-place pass: divide each chunk by the weight that arrived for it
-                safe = wsum.to(acc.dtype).clamp_min(1e-30)
-                n_full = len(span) // plan.chunk_elems
-                if n_full:
-                    acc[: n_full * plan.chunk_elems].view(n_full, plan.chunk_elems).div_(
-                        safe[:n_full, None]
-                    )
-                if len(span) > n_full * plan.chunk_elems:
-                    acc[n_full * plan.chunk_elems :].div_(safe[n_full])
-                zero = wsum <= 0
-                if bool(zero.any()):  # no weight arrived: keep our own values, never 0/0
-                    own = rnd.src[b].narrow(0, span.start, len(span))
-                    for c in torch.nonzero(zero).flatten().tolist():
-                        lo = c * plan.chunk_elems
-                        hi = min(lo + plan.chunk_elems, len(span))
-                        acc[lo:hi].copy_(own[lo:hi])
-            shards.append(OwnedShard(b, span.start, avg, wsum, rnd.count[b]))
-        return shards
-
-    async def _send_ag(
-        self, rnd: Round, shards: list[OwnedShard], values: list[torch.Tensor]
-    ) -> None:
-        node = self.node
-        others = [p for p in rnd.participants if p != rnd.me]
-        sent = 0
-        copies: collections.deque[_Send] | None = (
-            collections.deque() if rnd.redundancy > 1 else None
-        )
-        for shard, value in zip(shards, values, strict=True):
-            b = shard.bucket
-            out = rnd.dst[b].narrow(0, shard.start, value.numel())
-            out.copy_(value)  # cast to the bucket dtype
-            plan = rnd.plans[b]
-            code = DTYPE_CODES[out.dtype]
-            # Sent from memory private to the round (``dst`` changes after the round,
-            # queued sends must not), read-only so that ZeroMQ sends it to every
-            # destination without copying.  The accumulator itself when it is what we
-            # broadcast (a plain all-reduce): no copy at all.
-            if value is shard.average and value.dtype == out.dtype:
-                private = value
-            else:
-                private = rnd.pool.get(rnd.parity, "bcast", b, out.numel(), out.dtype)
-                private.copy_(out)
-            raw = as_bytes(private).toreadonly()
-            rnd.broadcast.append(raw)
-            base = shard.start * plan.itemsize
-            owned = rnd.owned[b]
-            for c in owned:
-                if shard.weights[c - owned.start] <= 0:
-                    continue  # no weighted contribution arrived: no average exists to share
-                rnd.ag_chunks_sent += 1
-                _, count = plan.chunk(c)
-                span = plan.byte_slice(c)
-                payload = raw[span.start - base : span.stop - base]
-                fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
-                # one encoding (one MAC) for every destination
-                frames = node.codec.encode(self.k.ag_data, fields, payload)
-                rnd.sent += node.send_frames(others, frames)
-                if copies is not None:
-                    copies.append((others, frames))
-                    if len(copies) > _COPY_LAG:
-                        self._send_copy(rnd, copies.popleft())
-                sent += len(others)
-                if sent >= _YIELD_EVERY:
-                    sent = 0
-                    await asyncio.sleep(0)
-        await self._send_copies(rnd, copies)
-        self._announce_ag_end(rnd, self._end_copies(rnd))
-
-    def _send_copy(self, rnd: Round, send: _Send) -> None:
-        """Send ``redundancy - 1`` more copies of one data packet.
-
-        Why copies trail the originals by ``_COPY_LAG`` packets instead of going
-        back to back: a burst of loss takes neighbouring packets together, so
-        spaced copies are lost together far less often.  Why not a whole second
-        pass: the receiver's replay window only spans ``replay_window_packets``
-        sequence numbers, and a copy older than that would be dropped even when
-        the original was lost.  The copies are the same packets (same sequence
-        numbers): whichever arrives first counts, the replay window drops the rest.
-        """
-        peers, frames = send
-        for _ in range(rnd.redundancy - 1):
-            n = self.node.send_frames(peers, frames)
-            rnd.sent += n
-            rnd.copies_sent += n
-
-    async def _send_copies(self, rnd: Round, sends: collections.deque[_Send] | None) -> None:
-        """Flush the copies still trailing at the end of a phase's sends."""
-        sent = 0
-        while sends:
-            peers, _ = send = sends.popleft()
-            self._send_copy(rnd, send)
-            sent += len(peers)
-            if sent >= _YIELD_EVERY:
-                sent = 0
-                await asyncio.sleep(0)
-
-    async def _wait_phase(
-        self,
-        phase: Phase,
-        name: str,
-        deadline: float,
-        expected: Callable[[str], int],
-        announce: Callable[[], None] | None = None,
-    ) -> bool:
-        """Wait until every expected END arrived, or give up; True if complete.
-
-        Each sender gets its own learned allowance, counted from its first packet
-        of the phase: ``phase_deadline_factor`` x the median first-packet-to-END
-        span of recent senders, and never while it is still sending.  Why per
-        sender: peers start a round at different times (compute skew), so a clock
-        started at our own start would cut slow-but-alive peers, while one started
-        at their first packet only cuts peers whose remaining packets are lost.
-        A sender known to have moved past the phase (its packets of the next
-        phase or round arrived, or its heartbeat announced a later round) is cut
-        ``_MOVED_ON_GRACE_S`` after we learned it: everything it sent here is on
-        the wire, and what has not arrived by then was lost.  This bounds the cost
-        of lost END markers under bursty loss, and of a sender whose every packet
-        was lost.  A silent sender with no such sign is waited for until
-        ``deadline`` (the call's bound) or until membership declares it dead: it
-        may simply have started late.
-
-        ``announce`` re-sends our own END marker of the phase while we wait, at
-        growing intervals (``_END_REPEAT_S`` doubling up to ``_END_REPEAT_MAX_S``):
-        a tiny control packet, not data.  Why: under bursty loss all back-to-back
-        END copies can be lost, and two peers that lost all of each other's
-        packets would otherwise each wait for the other until the deadline.
-        """
-        clock = self.node.clock
-        history = self._spans[name]
-        interval = _END_REPEAT_S
-        next_announce = clock.now() + interval
-        while not phase.complete:
-            # re-read each pass: senders finishing this very phase teach a cold engine
-            per_packet = statistics.median(history) if history else float("inf")
-            now = clock.now()
-            if now >= deadline:
-                return False
-            pending = phase.expected - phase.done
-            cut_at = deadline
-            if all(p in phase.first or p in phase.moved_on for p in pending):
-                cut_at = min(
-                    deadline,
-                    max(self._cut_time(phase, p, per_packet, expected(p)) for p in pending),
-                )
-                if now >= cut_at:
-                    return False
-            if announce is not None and now >= next_announce:
-                announce()
-                interval = min(2 * interval, _END_REPEAT_MAX_S)
-                next_announce = now + interval
-            wake_at = min(cut_at, next_announce) if announce is not None else cut_at
-            phase.wake.clear()
-            waiter = asyncio.ensure_future(phase.wake.wait())
-            try:
-                await self.node._wait_future(waiter, max(0.0, wake_at - now))
-            except TimeoutError:
-                pass
-            finally:
-                waiter.cancel()
-        return True
-
-    def _cut_time(self, phase: Phase, peer: str, per_packet: float, expected: int) -> float:
-        """When to stop waiting for ``peer``: ``factor x`` its expected sending time
-        (learned seconds per packet x packets expected) after its first packet, and
-        never while it sent anything within ``phase_min_wait_s``."""
-        cfg = self.node.config
-        moved = phase.moved_on.get(peer)
-        if moved is not None:
-            return max(moved, phase.last.get(peer, moved)) + _MOVED_ON_GRACE_S
-        allowance = max(
-            cfg.phase_min_wait_s, cfg.phase_deadline_factor * per_packet * max(1, expected)
-        )
-        return max(phase.first[peer] + allowance, phase.last[peer] + cfg.phase_min_wait_s)
 
     # ------------------------------------------------------------------ receiving
     def _on_packet(self, pkt: Packet) -> None:
@@ -626,12 +344,12 @@ class LossyAllReduce:
             return
         kind = pkt.kind
         if kind == self.k.rs_data:
-            self._on_rs(rnd, pkt)
+            on_rs(self, rnd, pkt)
         elif kind == self.k.ag_data:
             if rnd.sending:
                 rnd.pending_ag.append(pkt)
             else:
-                self._on_ag(rnd, pkt)
+                on_ag(self, rnd, pkt)
         elif kind in (self.k.rs_end, self.k.ag_end):
             phase = rnd.rs if kind == self.k.rs_end else rnd.ag
             n = pkt.fields.get("n")
@@ -641,77 +359,6 @@ class LossyAllReduce:
             if pkt.src not in phase.done:
                 span = phase.finish(pkt.src, self.node.clock.now())
                 self._spans["rs" if kind == self.k.rs_end else "ag"].append(span)
-
-    def _chunk_of(self, rnd: Round, pkt: Packet) -> tuple[int, int, torch.Tensor] | None:
-        """Validate (bucket, chunk, dtype, count) against our plan; None = drop."""
-        b, c = pkt.fields.get("b"), pkt.fields.get("c")
-        if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
-            self.dropped["bad_chunk"] += 1
-            return None
-        plan = rnd.plans[b]
-        if not 0 <= c < plan.nchunks:
-            self.dropped["bad_chunk"] += 1
-            return None
-        dtype = DTYPES.get(pkt.fields.get("dt", ""))
-        _, count = plan.chunk(c)
-        if dtype != plan.dtype or pkt.fields.get("n") != count:
-            self.dropped["layout_mismatch"] += 1
-            return None
-        values = from_bytes(pkt.payload, dtype, count)
-        if not all_finite(values):
-            self.dropped["non_finite"] += 1
-            return None
-        return b, c, values
-
-    def _on_rs(self, rnd: Round, pkt: Packet) -> None:
-        w = pkt.fields.get("w", 1.0)
-        if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
-            self.dropped["bad_weight"] += 1
-            return
-        if rnd.rs_closed:  # our averages are taken (and may be on the wire): too late
-            self.dropped["late"] += 1
-            rnd.late += 1
-            return
-        got = self._chunk_of(rnd, pkt)
-        if got is None:
-            return
-        b, c, values = got
-        owned = rnd.owned[b]
-        if c not in owned:
-            self.dropped["not_owner"] += 1  # the sender's view differs from ours
-            return
-        key = (pkt.src, b, c)
-        if key in rnd.seen:
-            self.dropped["duplicate"] += 1
-            return
-        rnd.seen.add(key)
-        offset, count = rnd.plans[b].chunk(c)
-        start = rnd.maps[b].owned_range(rnd.me).start
-        rnd.acc[b][offset - start : offset - start + count].add_(values, alpha=float(w))
-        rnd.wsum[b][c - owned.start] += float(w)
-        rnd.count[b][c - owned.start] += 1
-        rnd.rs.received[pkt.src] += 1
-        rnd.rs.arrived(pkt.src, self.node.clock.now())
-        if rnd.rs.received[pkt.src] >= rnd.expect_rs and pkt.src not in rnd.rs.done:
-            self._spans["rs"].append(rnd.rs.finish(pkt.src, self.node.clock.now()))
-
-    def _on_ag(self, rnd: Round, pkt: Packet) -> None:
-        got = self._chunk_of(rnd, pkt)
-        if got is None:
-            return
-        b, c, values = got
-        if c in rnd.owned[b]:
-            self.dropped["not_owner"] += 1
-            return
-        if bool(rnd.got[b][c]):
-            self.dropped["duplicate"] += 1
-            return
-        rnd.plans[b].view(rnd.dst[b], c).copy_(values)
-        rnd.got[b][c] = True
-        rnd.ag.received[pkt.src] += 1
-        rnd.ag.arrived(pkt.src, self.node.clock.now())
-        if rnd.ag.received[pkt.src] >= rnd.ag_expected(pkt.src) and (pkt.src not in rnd.ag.done):
-            self._spans["ag"].append(rnd.ag.finish(pkt.src, self.node.clock.now()))
 
     def _peer_loss_flag(self, pkt: Packet) -> None:
         """A peer's "I saw loss recently" flag, from its END markers or heartbeats."""

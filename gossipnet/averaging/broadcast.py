@@ -1,0 +1,156 @@
+"""The all-gather half of a round: broadcast our averaged shard, keep stale on loss.
+
+Split from :mod:`gossipnet.averaging.allreduce`, which drives the round (the
+reduce-scatter is :mod:`._scatter`); this module holds what the second phase
+does.  Each owner writes the values to broadcast for its shard (the averages,
+or what ``on_reduced`` made of them, e.g. stepped parameters) into its own
+``dst``, then sends every owned chunk to every other participant: one encoding
+(one MAC) per chunk for all destinations, from read-only memory private to the
+round, so ZeroMQ sends it without a copy.  A receiver writes each chunk that
+arrives into ``dst`` and marks it; a chunk whose broadcast was lost keeps the
+value ``dst`` already held (stale, never zero), and the round's report counts
+it (``chunks_stale``).  Why stale, never zero, and never waited for: a peer's
+own value keeps the drift between replicas bounded (Weintraub et al. 2025),
+while a retransmission would make every round as slow as its worst link.
+Resyncs, which must leave every peer identical, re-request lost chunks
+(:mod:`._repair`), answered from the bytes kept in ``Round.broadcast``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..transport.wire import DTYPE_CODES, Packet
+from ._cut import wait_phase
+from ._packets import COPY_LAG, YIELD_EVERY, Send, chunk_of, send_copies, send_copy
+from ._round import OwnedShard, Round
+from .chunks import as_bytes
+
+if TYPE_CHECKING:
+    from .allreduce import LossyAllReduce
+
+__all__ = ("all_gather", "announce_ag_end", "on_ag", "send_ag")
+
+
+async def all_gather(
+    engine: LossyAllReduce,
+    rnd: Round,
+    shards: list[OwnedShard],
+    values: list[torch.Tensor],
+    deadline: float,
+) -> bool:
+    """Broadcast ``values`` for our ``shards``, then wait for the others'; True if complete.
+
+    Returns False when the phase was cut (lost ENDs, a silent or dead owner) or
+    ``deadline`` passed; the chunks still missing then keep their stale values.
+    """
+    rnd.ag.start = engine.node.clock.now()
+    await send_ag(engine, rnd, shards, values)
+    return await wait_phase(
+        engine.node,
+        rnd.ag,
+        engine._spans["ag"],
+        deadline,
+        rnd.ag_expected,
+        lambda: announce_ag_end(engine, rnd),
+    )
+
+
+def _broadcast_bytes(rnd: Round, shard: OwnedShard, value: torch.Tensor) -> memoryview:
+    """Write ``value`` into our ``dst`` shard; return read-only bytes to send it from.
+
+    Sent from memory private to the round (``dst`` changes after the round,
+    queued sends must not), read-only so that ZeroMQ sends it to every
+    destination without copying.  The accumulator itself when it is what we
+    broadcast (a plain all-reduce): no copy at all.  Kept in ``rnd.broadcast``
+    for repair requests.
+    """
+    b = shard.bucket
+    out = rnd.dst[b].narrow(0, shard.start, value.numel())
+    out.copy_(value)  # cast to the bucket dtype
+    if value is shard.average and value.dtype == out.dtype:
+        private = value
+    else:
+        private = rnd.pool.get(rnd.parity, "bcast", b, out.numel(), out.dtype)
+        private.copy_(out)
+    raw = as_bytes(private).toreadonly()
+    rnd.broadcast.append(raw)
+    return raw
+
+
+async def send_ag(
+    engine: LossyAllReduce, rnd: Round, shards: list[OwnedShard], values: list[torch.Tensor]
+) -> None:
+    """Send each owned chunk that has an average to every other participant, then ENDs.
+
+    A chunk no weighted contribution arrived for is not sent: no average exists
+    to share, and the receivers keep their own values for it.
+    """
+    node = engine.node
+    kind = engine.k.ag_data
+    others = [p for p in rnd.participants if p != rnd.me]
+    sent = 0
+    copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
+    for shard, value in zip(shards, values, strict=True):
+        b = shard.bucket
+        raw = _broadcast_bytes(rnd, shard, value)
+        plan = rnd.plans[b]
+        code = DTYPE_CODES[rnd.dst[b].dtype]
+        base = shard.start * plan.itemsize
+        owned = rnd.owned[b]
+        for c in owned:
+            if shard.weights[c - owned.start] <= 0:
+                continue  # no weighted contribution arrived: no average exists to share
+            rnd.ag_chunks_sent += 1
+            _, count = plan.chunk(c)
+            span = plan.byte_slice(c)
+            payload = raw[span.start - base : span.stop - base]
+            fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
+            # one encoding (one MAC) for every destination
+            frames = node.codec.encode(kind, fields, payload)
+            rnd.sent += node.send_frames(others, frames)
+            if copies is not None:
+                copies.append((others, frames))
+                if len(copies) > COPY_LAG:
+                    send_copy(node, rnd, copies.popleft())
+            sent += len(others)
+            if sent >= YIELD_EVERY:
+                sent = 0
+                await asyncio.sleep(0)
+    await send_copies(node, rnd, copies)
+    announce_ag_end(engine, rnd, engine._end_copies(rnd))
+
+
+def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
+    """END of our all-gather to every other participant (one encoding for all)."""
+    node = engine.node
+    others = [p for p in rnd.participants if p != rnd.me]
+    end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent, "l": int(engine._recent_loss())}
+    frames = node.codec.encode(engine.k.ag_end, end)
+    for _ in range(copies):
+        node.send_frames(others, frames)
+
+
+def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
+    """Write one broadcast chunk into ``dst`` and mark it arrived (not stale)."""
+    got = chunk_of(rnd, pkt, engine.dropped)
+    if got is None:
+        return
+    b, c, values = got
+    if c in rnd.owned[b]:
+        engine.dropped["not_owner"] += 1
+        return
+    if bool(rnd.got[b][c]):
+        engine.dropped["duplicate"] += 1
+        return
+    rnd.plans[b].view(rnd.dst[b], c).copy_(values)
+    rnd.got[b][c] = True
+    ag = rnd.ag
+    ag.received[pkt.src] += 1
+    ag.arrived(pkt.src, engine.node.clock.now())
+    if ag.received[pkt.src] >= rnd.ag_expected(pkt.src) and (pkt.src not in ag.done):
+        engine._spans["ag"].append(ag.finish(pkt.src, engine.node.clock.now()))
