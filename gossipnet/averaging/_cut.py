@@ -21,7 +21,7 @@ from .._node import Node
 from ..config import Config
 from ._round import Phase
 
-__all__ = ("cut_time", "wait_phase")
+__all__ = ("ReorderWindow", "cut_time", "wait_phase")
 
 #: How long after a sender is known to have moved past a phase we still wait for its
 #: packets of that phase (in flight, or reordered behind its later packets).
@@ -29,6 +29,41 @@ MOVED_ON_GRACE_S = 0.02
 #: While a phase waits, our own END is re-sent after this long, then at doubling intervals.
 END_REPEAT_S = 0.02
 END_REPEAT_MAX_S = 0.1
+
+
+class ReorderWindow:
+    """How long after a sender's END its reordered data still arrives, learned.
+
+    Why: an END marker can overtake data sent before it (a reordering network, a
+    delayed packet); ending the sender's phase on its END then makes that data
+    stale although nothing was lost.  Waiting for every missing packet instead
+    would cost each lossy round a wait for packets that never come.  So the wait
+    is learned from arrival times: each packet that arrives after its sender's
+    END teaches its lag; while some were seen within the last ``memory_rounds``
+    rounds, an END with data missing holds its sender ``1.5 x`` the largest such
+    lag (at most ``cap_s``); when none was, it holds nothing.  Pure loss teaches
+    nothing, so lossy rounds stay as short as before.
+
+    Args:
+        cap_s: the longest hold; a packet later than this is an outage, not a reorder.
+        memory_rounds: how many rounds an observed lag keeps counting.
+    """
+
+    def __init__(self, cap_s: float = 0.05, memory_rounds: int = 32) -> None:
+        if cap_s < 0 or memory_rounds < 1:
+            raise ValueError(f"cap_s must be >= 0 and memory_rounds >= 1: {cap_s}, {memory_rounds}")
+        self.cap_s = cap_s
+        self.memory_rounds = memory_rounds
+        self._lags: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+
+    def observe(self, lag_s: float, round_: int) -> None:
+        """A packet of round ``round_`` arrived ``lag_s`` after its sender's END."""
+        self._lags.append((round_, max(0.0, lag_s)))
+
+    def allowance(self, round_: int) -> float:
+        """Seconds to hold a sender whose END (of round ``round_``) left data missing."""
+        recent = [lag for r, lag in self._lags if r > round_ - self.memory_rounds]
+        return min(self.cap_s, 1.5 * max(recent)) if recent else 0.0
 
 
 async def wait_phase(
@@ -75,6 +110,11 @@ async def wait_phase(
         if now >= deadline:
             return False
         pending = phase.expected - phase.done
+        for p in [p for p in pending if phase.hold.get(p, deadline) <= now]:
+            phase.finish(p, now)  # its held-back data did not come: it was lost
+            pending.discard(p)
+        if not pending:
+            break
         cut_at = deadline
         if all(p in phase.first or p in phase.moved_on for p in pending):
             cut_at = min(
@@ -88,6 +128,7 @@ async def wait_phase(
             interval = min(2 * interval, END_REPEAT_MAX_S)
             next_announce = now + interval
         wake_at = min(cut_at, next_announce) if announce is not None else cut_at
+        wake_at = min([wake_at, *(phase.hold[p] for p in pending if p in phase.hold)])
         phase.wake.clear()
         waiter = asyncio.ensure_future(phase.wake.wait())
         try:
@@ -103,6 +144,9 @@ def cut_time(cfg: Config, phase: Phase, peer: str, per_packet: float, expected: 
     """When to stop waiting for ``peer``: ``factor x`` its expected sending time
     (learned seconds per packet x packets expected) after its first packet, and
     never while it sent anything within ``phase_min_wait_s``."""
+    held = phase.hold.get(peer)
+    if held is not None:
+        return held
     moved = phase.moved_on.get(peer)
     if moved is not None:
         return max(moved, phase.last.get(peer, moved)) + MOVED_ON_GRACE_S

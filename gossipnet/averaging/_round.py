@@ -81,6 +81,10 @@ class Phase:
     # when we learned the sender is past this phase (a later phase's or round's packet,
     # a heartbeat's round): whatever it sent here is sent, so lost ENDs cost little
     moved_on: dict[str, float] = field(default_factory=dict)
+    # when each sender's END arrived, and, for an END that arrived ahead of some of
+    # the data it closes, until when we still wait for that data (a learned window)
+    ended: dict[str, float] = field(default_factory=dict)
+    hold: dict[str, float] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -98,6 +102,10 @@ class Phase:
         if src in self.expected and src not in self.done and src not in self.moved_on:
             self.moved_on[src] = now
             self.wake.set()
+
+    def held_back(self, src: str, declared: int) -> bool:
+        """Whether ``src``'s END is waiting for data it declared that has not come."""
+        return src in self.hold and self.received[src] < declared
 
     def finish(self, src: str, now: float) -> float:
         """``src`` is complete; return its span per packet (first arrival to END / count).
@@ -170,6 +178,7 @@ class Round:
         self.broadcast: list[memoryview] = []  # our averaged shards' bytes, kept for repairs
         self.sent = 0
         self.late = 0
+        self.repaired = False  # NACK repair ran (a resync): late answers teach no reorder
         self.ag_chunks_sent = 0
         self.rs_sent_to: collections.Counter[str] = collections.Counter()
         self.redundancy = redundancy

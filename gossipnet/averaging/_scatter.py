@@ -143,6 +143,8 @@ def on_rs(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
     if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
         engine.dropped["bad_weight"] += 1
         return
+    if pkt.src in rnd.rs.ended:  # it was overtaken by its sender's END: learn by how much
+        engine.note_after_end(rnd, pkt)
     if rnd.rs_closed:  # our averages are taken (and may be on the wire): too late
         engine.dropped["late"] += 1
         rnd.late += 1
@@ -166,6 +168,10 @@ def on_rs(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
     rnd.wsum[b][c - owned.start] += float(w)
     rnd.count[b][c - owned.start] += 1
     rnd.rs.received[pkt.src] += 1
-    rnd.rs.arrived(pkt.src, engine.node.clock.now())
-    if rnd.rs.received[pkt.src] >= rnd.expect_rs and pkt.src not in rnd.rs.done:
-        engine._spans["rs"].append(rnd.rs.finish(pkt.src, engine.node.clock.now()))
+    rs = rnd.rs
+    rs.arrived(pkt.src, engine.node.clock.now())
+    if pkt.src not in rs.done and (
+        rs.received[pkt.src] >= rnd.expect_rs
+        or (pkt.src in rs.hold and not rs.held_back(pkt.src, rs.declared[pkt.src]))
+    ):
+        engine._spans["rs"].append(rs.finish(pkt.src, engine.node.clock.now()))

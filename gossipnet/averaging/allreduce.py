@@ -14,7 +14,11 @@ for it (stale, never zero) and the report counts it.
 Why phases end early: after its data every sender sends a tiny END marker
 (``END_COPIES`` copies, so all are lost with probability p^5) that says how
 many packets it sent.  A phase ends the moment every expected END arrived,
-so time per round does not grow with the loss rate.  A deadline learned
+so time per round does not grow with the loss rate.  An END that overtook
+data it declares (a reordering network) holds its sender a little longer,
+but only while packets have recently been seen to arrive after their END
+(``_cut.ReorderWindow``, learned from arrival times): pure loss teaches no
+such wait, since lost packets never arrive.  A deadline learned
 from the spans of recent complete phases (``phase_deadline_factor`` x the
 median span), capped by the call's timeout, bounds a phase when ENDs or a
 whole peer are lost.  Where no loss has been seen for ``_QUIET_ROUNDS``
@@ -54,7 +58,7 @@ from .._node import Node
 from ..rounds import CollectiveReport
 from ..transport.wire import DTYPE_CODES, Packet
 from . import _repair
-from ._cut import wait_phase
+from ._cut import ReorderWindow, wait_phase
 from ._packets import ALLREDUCE_KINDS, MOSHPIT_KINDS, EngineKinds
 from ._round import BufferPool, OwnedShard, Round
 from ._scatter import announce_rs_end, finish_rs, on_rs, send_rs
@@ -97,6 +101,7 @@ class LossyAllReduce:
             "rs": collections.deque(maxlen=_SPAN_HISTORY),
             "ag": collections.deque(maxlen=_SPAN_HISTORY),
         }
+        self._reorder = ReorderWindow()  # how long an END waits for data it overtook
         self._lock = asyncio.Lock()
         self._pool = BufferPool()
         self._rounds_run = 0
@@ -198,6 +203,7 @@ class LossyAllReduce:
             # all-gather: our averaged shards to everyone, then wait for the others'
             ag_timed_out = not await all_gather(self, rnd, shards, values, deadline)
             if repair:
+                rnd.repaired = True  # its repair answers arrive after ENDs by design
                 ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
             report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
             self._note_loss(report)
@@ -335,6 +341,9 @@ class LossyAllReduce:
             self.dropped["late"] += 1
             if rnd is not None:
                 rnd.late += 1
+            last = self._last
+            if last is not None and r == last.r and not last.repaired:
+                self.note_after_end(last, pkt)  # it came too late: learn how late
 
     def _dispatch(self, rnd: Round, pkt: Packet) -> None:
         if pkt.src not in rnd.members:
@@ -356,9 +365,28 @@ class LossyAllReduce:
             if isinstance(n, int) and n >= 0:
                 phase.declared[pkt.src] = n
             self._peer_loss_flag(pkt)
-            if pkt.src not in phase.done:
-                span = phase.finish(pkt.src, self.node.clock.now())
-                self._spans["rs" if kind == self.k.rs_end else "ag"].append(span)
+            if pkt.src in phase.done or pkt.src in phase.hold:
+                return
+            now = self.node.clock.now()
+            phase.ended.setdefault(pkt.src, now)
+            if isinstance(n, int) and phase.received[pkt.src] < n:
+                wait = self._reorder.allowance(rnd.r)  # data it closes may be overtaken
+                if wait > 0:
+                    phase.arrived(pkt.src, now)
+                    phase.hold[pkt.src] = now + wait
+                    phase.wake.set()
+                    return
+            span = phase.finish(pkt.src, now)
+            self._spans["rs" if kind == self.k.rs_end else "ag"].append(span)
+
+    def note_after_end(self, rnd: Round, pkt: Packet) -> None:
+        """A data packet of ``rnd`` arrived after its sender's END: learn the lag."""
+        if pkt.kind not in (self.k.rs_data, self.k.ag_data):
+            return
+        phase = rnd.rs if pkt.kind == self.k.rs_data else rnd.ag
+        ended = phase.ended.get(pkt.src)
+        if ended is not None:
+            self._reorder.observe(self.node.clock.now() - ended, rnd.r)
 
     def _peer_loss_flag(self, pkt: Packet) -> None:
         """A peer's "I saw loss recently" flag, from its END markers or heartbeats."""

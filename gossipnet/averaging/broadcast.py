@@ -150,7 +150,12 @@ def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
     rnd.plans[b].view(rnd.dst[b], c).copy_(values)
     rnd.got[b][c] = True
     ag = rnd.ag
+    if pkt.src in ag.ended:  # it was overtaken by its sender's END: learn by how much
+        engine.note_after_end(rnd, pkt)
     ag.received[pkt.src] += 1
     ag.arrived(pkt.src, engine.node.clock.now())
-    if ag.received[pkt.src] >= rnd.ag_expected(pkt.src) and (pkt.src not in ag.done):
+    if pkt.src not in ag.done and (
+        ag.received[pkt.src] >= rnd.ag_expected(pkt.src)
+        or (pkt.src in ag.hold and not ag.held_back(pkt.src, ag.declared[pkt.src]))
+    ):
         engine._spans["ag"].append(ag.finish(pkt.src, engine.node.clock.now()))
