@@ -28,7 +28,7 @@ arrived, each replica receives the new chunk with probability 1-p or keeps its
 stale value).  It separates what loss costs *by design* from what the
 implementation adds: the networked ``rel_ppl`` should match ``ideal``.
 
-    .venv/bin/python bench/quality.py --quick      # rates 0 and 10%, 3 peers, < 60 s
+    .venv/bin/python bench/quality.py --quick      # 0 and 10% (plain, r2, late), 3 peers, < 60 s
     .venv/bin/python bench/quality.py              # all rates, 4 peers, ~5 min on 2 cores
     .venv/bin/python bench/quality.py --ideal      # + the in-process reference, ~10 min
     .venv/bin/python bench/quality.py --ideal-only --seeds 4 --plans 0.1   # reference only
@@ -87,6 +87,7 @@ QUICK_PLANS: tuple[Plan, ...] = (
     (0.0, None, 1, False),
     (0.1, None, 1, False),
     (0.1, None, 2, False),
+    (0.1, None, 1, True),
 )
 TARGET_REL_PPL_AT_10 = 1.01  # the paper's headline: <= 0.8% at 10% loss (LLaMA-2 7B)
 
