@@ -66,6 +66,7 @@ from gossipnet._demo import (
     lr_at,
     run_demos,
     sample_windows,
+    shard_stream,
 )
 
 #: (mean loss rate, mean burst length in packets or None, copies of each data packet,
@@ -122,8 +123,8 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     """
     torch.set_num_threads(1)
     train, held = load_corpus(cfg.corpus_bytes)
-    n, span = cfg.peers, len(train) // cfg.peers
-    shards = [train[r * span : (r + 1) * span] for r in range(n)]
+    n = cfg.peers
+    shards = [shard_stream(train, r, cfg) for r in range(n)]
     gens = [torch.Generator().manual_seed(cfg.data_seed * 1000 + r) for r in range(n)]
     torch.manual_seed(cfg.model_seed)
     model = CharLM(cfg)
@@ -179,6 +180,12 @@ def main() -> None:
     parser.add_argument(
         "--lr", type=float, default=None, help="peak learning rate (default DemoConfig's, 3e-3)"
     )
+    parser.add_argument(
+        "--split",
+        choices=("shuffled", "contiguous"),
+        default="shuffled",
+        help="how the text is shared out: shuffled blocks (IID, default) or one slice per peer",
+    )
     parser.add_argument("--strategy", choices=("allreduce", "grads"), default="allreduce")
     parser.add_argument("--ideal", action="store_true", help="add the in-process reference")
     parser.add_argument(
@@ -210,6 +217,7 @@ def main() -> None:
         peers=args.peers or (3 if args.quick else 4),
         steps=args.steps or (150 if args.quick else 300),
         strategy=args.strategy,
+        split=args.split,
         **({"lr": args.lr} if args.lr else {}),
         eval_every=10**9,  # the final evaluation only: it is all this bench reads
     )

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._demo_config import SPLITS as SPLITS
 from ._demo_config import STRATEGIES as STRATEGIES
 from ._demo_config import DemoConfig, DemoResult, EvalRecord, StepRecord
 from ._demo_config import LateLoss as LateLoss
@@ -42,6 +43,7 @@ from ._demo_model import evaluate as evaluate
 from ._demo_model import load_corpus as load_corpus
 from ._demo_model import lr_at as lr_at
 from ._demo_model import sample_windows as sample_windows
+from ._demo_model import shard_stream as shard_stream
 from .peer import Peer, join
 from .rounds import CollectiveReport
 
@@ -105,8 +107,7 @@ def _setup(
     ``model`` and the AdamW ``base``: the same initial weights on every peer.
     """
     train, held = load_corpus(cfg.corpus_bytes)
-    shard_len = len(train) // cfg.peers  # each peer trains on its own slice of the stream
-    shard = train[rank * shard_len : (rank + 1) * shard_len]
+    shard = shard_stream(train, rank, cfg)
     held_out = eval_windows(held, cfg.eval_windows, cfg.context)
     gen = torch.Generator().manual_seed(cfg.data_seed * 1000 + rank)
     torch.manual_seed(cfg.model_seed)  # the same initial weights on every peer

@@ -16,9 +16,18 @@ from dataclasses import dataclass, field
 
 from .transport.faults import FaultPlan, GilbertElliott
 
-__all__ = ("STRATEGIES", "DemoConfig", "DemoResult", "EvalRecord", "LateLoss", "StepRecord")
+__all__ = (
+    "SPLITS",
+    "STRATEGIES",
+    "DemoConfig",
+    "DemoResult",
+    "EvalRecord",
+    "LateLoss",
+    "StepRecord",
+)
 
 STRATEGIES = ("allreduce", "grads")
+SPLITS = ("shuffled", "contiguous")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,6 +65,7 @@ class DemoConfig:
     redundancy: int = 1  # Config.redundancy: copies of every data packet
     timeout_s: float = 2.0  # per collective: 30x a loaded round on loopback; caps stalls
     corpus_bytes: int = 4_000_000
+    split: str = "shuffled"  # how the stream is shared out: see _demo_model.shard_stream
     #: First step with loss (random loss only); the steps before it are loss-free, to
     #: see what loss costs late in training, near the paper's fine-tuning setting.
     loss_from: int = 0
@@ -69,6 +79,8 @@ class DemoConfig:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
         if self.burst is not None and self.burst < 1.0:
             raise ValueError(f"burst is a mean burst length in packets (>= 1), got {self.burst}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         if not 1 <= self.redundancy <= 8:

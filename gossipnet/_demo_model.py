@@ -28,6 +28,7 @@ __all__ = (
     "load_corpus",
     "lr_at",
     "sample_windows",
+    "shard_stream",
 )
 
 #: Fixed vocabulary: 0 = unknown byte, then newline, tab and printable ASCII.  Fixed
@@ -65,6 +66,30 @@ def load_corpus(max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.from_numpy(_LUT[raw].astype(np.int64))
 
     return encode(train), encode(held)
+
+
+def shard_stream(
+    train: torch.Tensor, rank: int, cfg: DemoConfig, block: int = 4096
+) -> torch.Tensor:
+    """Peer ``rank``'s disjoint share of the training stream, by ``cfg.split``.
+
+    ``"shuffled"`` (default) is what a data-parallel job's sampler does (torch's
+    ``DistributedSampler``): cut the stream into ``block``-token blocks, shuffle
+    them with a seed every peer shares, deal them round-robin.  Every peer's
+    gradient then has the same expectation, which the all-reduce's unbiasedness
+    rests on (ALGORITHMS.md 1.1): a lost contribution costs variance, not bias.
+    ``"contiguous"`` gives peer ``rank`` the ``rank``-th slice of the sorted
+    files instead: each peer sees different modules (non-IID, as when sites or
+    cars hold their own data), and a lost contribution tilts that step's
+    gradient toward the other peers' text.
+    """
+    if cfg.split == "contiguous":
+        span = len(train) // cfg.peers
+        return train[rank * span : (rank + 1) * span]
+    blocks = len(train) // block
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(cfg.data_seed))
+    mine = order[rank :: cfg.peers].sort().values  # stream order within a peer's share
+    return train[: blocks * block].view(blocks, block)[mine].reshape(-1)
 
 
 def eval_windows(stream: torch.Tensor, n: int, context: int) -> torch.Tensor:

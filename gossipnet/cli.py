@@ -73,6 +73,13 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
         help="allreduce: net.optimizer (sharded step + parameter broadcast); "
         "grads: net.all_reduce(gradients) then a local step",
     )
+    p.add_argument(
+        "--split",
+        choices=("shuffled", "contiguous"),
+        default=d.split,
+        help="shuffled: every peer gets random blocks of the whole text (IID, as "
+        "DistributedSampler); contiguous: one slice of the files each (non-IID)",
+    )
     p.add_argument("--batch", type=int, default=d.batch, help="windows per peer per step")
     p.add_argument("--context", type=int, default=d.context, help="characters per window")
     p.add_argument("--d-model", type=int, default=d.d_model, help="transformer width")
@@ -106,6 +113,7 @@ def _demo_config(args: argparse.Namespace) -> Any:
         seed=args.seed,
         data_seed=args.data_seed,
         strategy=args.strategy,
+        split=args.split,
         batch=args.batch,
         context=args.context,
         d_model=args.d_model,

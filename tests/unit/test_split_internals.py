@@ -35,6 +35,7 @@ def test_internal_names_are_pinned() -> None:
     )
     assert _flatbuffer.__all__ == ("FlatBuffer",)
     assert _demo_config.__all__ == (
+        "SPLITS",
         "STRATEGIES",
         "DemoConfig",
         "DemoResult",
@@ -50,6 +51,7 @@ def test_internal_names_are_pinned() -> None:
         "load_corpus",
         "lr_at",
         "sample_windows",
+        "shard_stream",
     )
     assert _demo.__all__ == (
         "VOCAB",
