@@ -183,6 +183,12 @@ class Round:
         self.rs_sent_to: collections.Counter[str] = collections.Counter()
         self.redundancy = redundancy
         self.copies_sent = 0
+        # XOR parity (._parity): our group size this round (0 = none), the payloads of
+        # streams that announce parity (kept to recover a group's one lost member)
+        self.fec_k = 0
+        self.fec_held: dict[tuple[str, int, int], memoryview] = {}
+        self.parity_sent = 0
+        self.recovered = 0
         # what a sender that shares our view sends us; receiving all of it completes
         # that sender even if all its END copies were lost
         self.expect_rs = sum(len(o) for o in self.owned)
@@ -213,6 +219,7 @@ class Round:
             owned = rnd.owned[b]
             mask[owned.start : owned.stop] = True
             stale += int((~mask).sum())
+        received -= rnd.recovered  # rebuilt from parity: delivered, but lost on the wire
         lost = max(0, expected - received)
         return CollectiveReport(
             round=rnd.r,
@@ -228,5 +235,10 @@ class Round:
             delivered_fraction=received / expected if expected else 1.0,
             elapsed_s=elapsed,
             timed_out=timed_out,
-            extra={"late": float(rnd.late), "copies_sent": float(rnd.copies_sent)},
+            extra={
+                "late": float(rnd.late),
+                "copies_sent": float(rnd.copies_sent),
+                "parity_sent": float(rnd.parity_sent),
+                "recovered": float(rnd.recovered),
+            },
         )

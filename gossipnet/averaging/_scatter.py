@@ -21,6 +21,7 @@ import torch
 
 from ..transport.wire import DTYPE_CODES, Packet
 from ._packets import COPY_LAG, YIELD_EVERY, Send, chunk_of, send_copies, send_copy
+from ._parity import on_parity, send_parity
 from ._round import OwnedShard, Round
 from .chunks import as_bytes
 
@@ -49,6 +50,8 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
         raw, code = raws[b], codes[b]
         _, count = plan.chunk(c)
         fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "w": weight, "dt": code, "n": count}
+        if rnd.fec_k:
+            fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
         frames = node.codec.encode(kind, fields, raw[plan.byte_slice(c)])
         rnd.sent += node.send_frames((owner,), frames)
         if copies is not None:
@@ -58,9 +61,28 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
         per_dest[owner] += 1
         if sent % YIELD_EVERY == 0:
             await asyncio.sleep(0)
+    if rnd.fec_k:
+        await _send_rs_parity(engine, rnd, raws, codes, weight)
     await send_copies(node, rnd, copies)
     rnd.rs_sent_to = per_dest
     announce_rs_end(engine, rnd, engine._end_copies(rnd))
+
+
+async def _send_rs_parity(
+    engine: LossyAllReduce, rnd: Round, raws: list[memoryview], codes: list[str], weight: float
+) -> None:
+    """Parity packets of every stream we sent: each owner's range of each bucket."""
+    for b, smap in enumerate(rnd.maps):
+        plan = rnd.plans[b]
+        for owner in smap.participants:
+            chunks = smap.chunks_of(owner)
+            if owner == rnd.me or not len(chunks):
+                continue
+            span = slice(plan.byte_slice(chunks.start).start, plan.byte_slice(chunks.stop - 1).stop)
+            fields = {"r": rnd.r, "m": rnd.mode, "w": weight}
+            kind = engine.k.rs_data
+            rnd.sent += send_parity(engine, rnd, kind, (owner,), b, chunks, raws[b][span], fields)
+            await asyncio.sleep(0)
 
 
 def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
@@ -138,7 +160,10 @@ def finish_rs(rnd: Round) -> list[OwnedShard]:
 
 
 def on_rs(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
-    """Add one contribution into our accumulator (weighted), once per (sender, chunk)."""
+    """Add one contribution into our accumulator (weighted), once per (sender, chunk).
+
+    A parity packet (``"g"`` in its fields) may rebuild one lost contribution.
+    """
     w = pkt.fields.get("w", 1.0)
     if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
         engine.dropped["bad_weight"] += 1
@@ -149,29 +174,48 @@ def on_rs(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
         engine.dropped["late"] += 1
         rnd.late += 1
         return
+    src = pkt.src
+    if "g" in pkt.fields:
+        on_parity(
+            engine,
+            rnd,
+            pkt,
+            lambda b: rnd.owned[b],
+            lambda b, c: (src, b, c) in rnd.seen,
+            lambda b, c, values: _accept_rs(engine, rnd, src, b, c, values, float(w)),
+        )
+        return
     got = chunk_of(rnd, pkt, engine.dropped)
     if got is None:
         return
     b, c, values = got
-    owned = rnd.owned[b]
-    if c not in owned:
+    if c not in rnd.owned[b]:
         engine.dropped["not_owner"] += 1  # the sender's view differs from ours
         return
-    key = (pkt.src, b, c)
-    if key in rnd.seen:
+    if (src, b, c) in rnd.seen:
         engine.dropped["duplicate"] += 1
         return
-    rnd.seen.add(key)
+    if pkt.fields.get("x"):
+        rnd.fec_held[(src, b, c)] = pkt.payload
+    _accept_rs(engine, rnd, src, b, c, values, float(w))
+
+
+def _accept_rs(
+    engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor, w: float
+) -> None:
+    """Count one contribution (arrived or rebuilt from parity) into our average."""
+    owned = rnd.owned[b]
+    rnd.seen.add((src, b, c))
     offset, count = rnd.plans[b].chunk(c)
     start = rnd.maps[b].owned_range(rnd.me).start
-    rnd.acc[b][offset - start : offset - start + count].add_(values, alpha=float(w))
-    rnd.wsum[b][c - owned.start] += float(w)
+    rnd.acc[b][offset - start : offset - start + count].add_(values, alpha=w)
+    rnd.wsum[b][c - owned.start] += w
     rnd.count[b][c - owned.start] += 1
-    rnd.rs.received[pkt.src] += 1
     rs = rnd.rs
-    rs.arrived(pkt.src, engine.node.clock.now())
-    if pkt.src not in rs.done and (
-        rs.received[pkt.src] >= rnd.expect_rs
-        or (pkt.src in rs.hold and not rs.held_back(pkt.src, rs.declared[pkt.src]))
+    rs.received[src] += 1
+    rs.arrived(src, engine.node.clock.now())
+    if src not in rs.done and (
+        rs.received[src] >= rnd.expect_rs
+        or (src in rs.hold and not rs.held_back(src, rs.declared[src]))
     ):
-        engine._spans["rs"].append(rs.finish(pkt.src, engine.node.clock.now()))
+        engine._spans["rs"].append(rs.finish(src, engine.node.clock.now()))

@@ -30,6 +30,8 @@ Redundancy (``Config.redundancy`` = k > 1): every data packet goes out k
 times, the copies trailing the originals by a few hundred packets, so a chunk
 is lost only if all copies are (about p^k under random loss).  It is
 proactive, never a retransmission: no one waits, the traffic is k-fold.
+Parity (``Config.parity_group`` = k > 0, :mod:`._parity`): one XOR packet per
+k data packets recovers any one lost packet of its group, at 1/k the traffic.
 
 Rounds: peers call collectives in lockstep; round ``r`` is the larger of
 our own next round and the highest one any peer announced (data packets,
@@ -209,6 +211,7 @@ class LossyAllReduce:
             self._note_loss(report)
             return report
         finally:
+            rnd.fec_held.clear()  # frees the received frames kept for parity
             self._round = None
             self._last = rnd
             node.beacon[self.tag] = self.next_round
@@ -230,6 +233,7 @@ class LossyAllReduce:
             r, node.peer_id, parts, src, dst, weight, self._chunk_sizes(src, len(parts)), mode,
             node.config.redundancy if redundancy is None else redundancy, self._pool,
         )  # fmt: skip
+        rnd.fec_k = self._parity_group(rnd)
         self._round = rnd
         self.next_round = r + 1
         node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it
@@ -290,6 +294,17 @@ class LossyAllReduce:
         if any(p in self._lossy_peers for p in rnd.participants if p != rnd.me):
             return END_COPIES
         return 1
+
+    def _parity_group(self, rnd: Round) -> int:
+        """This round's parity group size (``Config.parity_group``), 0 for none.
+
+        Sent while loss is being seen by us or a participant (the END-copy rule),
+        so a clean network pays nothing; ``Config.parity_always`` sends it always.
+        """
+        k = self.node.config.parity_group
+        if not k or self.node.config.parity_always or self._recent_loss():
+            return k
+        return k if any(p in self._lossy_peers for p in rnd.participants if p != rnd.me) else 0
 
     def _chunk_sizes(self, src: Sequence[torch.Tensor], participants: int) -> list[int]:
         """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket."""

@@ -27,6 +27,7 @@ import torch
 from ..transport.wire import DTYPE_CODES, Packet
 from ._cut import wait_phase
 from ._packets import COPY_LAG, YIELD_EVERY, Send, chunk_of, send_copies, send_copy
+from ._parity import on_parity, send_parity
 from ._round import OwnedShard, Round
 from .chunks import as_bytes
 
@@ -110,6 +111,8 @@ async def send_ag(
             span = plan.byte_slice(c)
             payload = raw[span.start - base : span.stop - base]
             fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
+            if rnd.fec_k:
+                fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
             # one encoding (one MAC) for every destination
             frames = node.codec.encode(kind, fields, payload)
             rnd.sent += node.send_frames(others, frames)
@@ -121,6 +124,10 @@ async def send_ag(
             if sent >= YIELD_EVERY:
                 sent = 0
                 await asyncio.sleep(0)
+        # parity over the whole range, so only where every chunk of it was sent
+        if rnd.fec_k and bool((shard.weights > 0).all()) and len(owned):
+            fields = {"r": rnd.r, "m": rnd.mode}
+            rnd.sent += send_parity(engine, rnd, kind, others, b, owned, raw, fields)
     await send_copies(node, rnd, copies)
     announce_ag_end(engine, rnd, engine._end_copies(rnd))
 
@@ -136,7 +143,24 @@ def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
 
 
 def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
-    """Write one broadcast chunk into ``dst`` and mark it arrived (not stale)."""
+    """Write one broadcast chunk into ``dst`` and mark it arrived (not stale).
+
+    A parity packet (``"g"`` in its fields) may rebuild one lost chunk.
+    """
+    src = pkt.src
+    overtaken = src in rnd.ag.ended  # by its sender's END: learn by how much
+    if "g" in pkt.fields:
+        if overtaken:
+            engine.note_after_end(rnd, pkt)
+        on_parity(
+            engine,
+            rnd,
+            pkt,
+            lambda b: rnd.maps[b].chunks_of(src),
+            lambda b, c: bool(rnd.got[b][c]),
+            lambda b, c, values: _accept_ag(engine, rnd, src, b, c, values),
+        )
+        return
     got = chunk_of(rnd, pkt, engine.dropped)
     if got is None:
         return
@@ -147,15 +171,24 @@ def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
     if bool(rnd.got[b][c]):
         engine.dropped["duplicate"] += 1
         return
+    if overtaken:
+        engine.note_after_end(rnd, pkt)
+    if pkt.fields.get("x"):
+        rnd.fec_held[(src, b, c)] = pkt.payload
+    _accept_ag(engine, rnd, src, b, c, values)
+
+
+def _accept_ag(
+    engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor
+) -> None:
+    """Write one chunk (arrived or rebuilt from parity) into ``dst``."""
     rnd.plans[b].view(rnd.dst[b], c).copy_(values)
     rnd.got[b][c] = True
     ag = rnd.ag
-    if pkt.src in ag.ended:  # it was overtaken by its sender's END: learn by how much
-        engine.note_after_end(rnd, pkt)
-    ag.received[pkt.src] += 1
-    ag.arrived(pkt.src, engine.node.clock.now())
-    if pkt.src not in ag.done and (
-        ag.received[pkt.src] >= rnd.ag_expected(pkt.src)
-        or (pkt.src in ag.hold and not ag.held_back(pkt.src, ag.declared[pkt.src]))
+    ag.received[src] += 1
+    ag.arrived(src, engine.node.clock.now())
+    if src not in ag.done and (
+        ag.received[src] >= rnd.ag_expected(src)
+        or (src in ag.hold and not ag.held_back(src, ag.declared[src]))
     ):
-        engine._spans["ag"].append(ag.finish(pkt.src, engine.node.clock.now()))
+        engine._spans["ag"].append(ag.finish(src, engine.node.clock.now()))
