@@ -40,7 +40,9 @@ Knobs: ``--chunk-kib 256 1024`` (extra chunk_bytes rows), ``--set KEY=VALUE``
 ``--reorder 0.2`` (a row where 20% of packets arrive 5 ms behind later ones and
 none is lost: an END marker that overtakes data waits for it once the engine has
 seen such lags, so chunks go stale only in the first rounds; JSON
-``reorder_vs_lossless``, ``reorder_stale_chunks``), and
+``reorder_vs_lossless``, ``reorder_stale_chunks``), ``--parity 3`` (a 10%-loss
+row with one XOR parity packet per 3 data packets; JSON
+``parity_loss10_vs_lossless``, ``parity_loss10_stale_chunks``), and
 ``--profile DIR`` (cProfile, in thread CPU time, of rank 0's caller and
 event-loop threads per gossipnet row; read with ``python -m pstats``).
 """
@@ -280,10 +282,15 @@ def _one_rep(
 
 # ---------------------------------------------------------------------- parent side
 def build_plan(
-    quick: bool, chunk_kib: list[int], profile_dir: str | None, reorder: float = 0.0
+    quick: bool,
+    chunk_kib: list[int],
+    profile_dir: str | None,
+    reorder: float = 0.0,
+    parity: int = 0,
 ) -> Plan:
     """The preset: gloo, gossipnet default and per extra chunk size, each at 0% and 10%;
-    with ``reorder`` > 0 also the default under that reordering and no loss."""
+    with ``reorder`` > 0 also the default under that reordering and no loss; with
+    ``parity`` > 0 also the default at 10% loss with ``Config.parity_group=parity``."""
     variants: list[tuple[str, dict[str, Any]]] = [(DEFAULT, {})]
     variants += [(f"{DEFAULT} chunk {k}K", {"chunk_bytes": k * 1024}) for k in chunk_kib]
     cases = [Case("gloo", "gloo")]
@@ -291,6 +298,9 @@ def build_plan(
     cases += [Case(f"{name} loss 10%", "gossipnet", LOSS, o) for name, o in variants]
     if reorder:
         cases.append(Case(f"{DEFAULT} reorder {reorder:.0%}", "gossipnet", reorder=reorder))
+    if parity:
+        over = {"parity_group": parity}
+        cases.append(Case(f"{DEFAULT} parity 1/{parity} loss 10%", "gossipnet", LOSS, over))
     if quick:
         sizes, warmup, reps, timeout_s = (1 << 20, 4 << 20), 2, 4, 5.0
     else:
@@ -347,6 +357,7 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
         c.name for c in plan.cases if c.backend == "gossipnet" and c.loss == 0 and not c.reorder
     ]
     reordered = [c.name for c in plan.cases if c.reorder]
+    parity = [c.name for c in plan.cases if c.overrides.get("parity_group")]
     for n in plan.sizes:
         gloo = cells[("gloo", n)]["median_s"]
         base = cells[(DEFAULT, n)]["median_s"]
@@ -373,6 +384,10 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
                 cells[(name, n)]["median_s"] / base, 3
             )
             summary["per_size"][str(n)]["reorder_stale_chunks"] = cells[(name, n)]["stale_chunks"]
+        for name in parity:  # what parity costs in time, and what it saves in stale chunks
+            entry = summary["per_size"][str(n)]
+            entry["parity_loss10_vs_lossless"] = round(cells[(name, n)]["median_s"] / base, 3)
+            entry["parity_loss10_stale_chunks"] = cells[(name, n)]["stale_chunks"]
     largest = summary["per_size"][str(plan.sizes[-1])]
     for n, entry in summary["per_size"].items():
         print(f"fastest 0%-loss gossipnet config at {n} elements: {entry['fastest_lossless']} "
@@ -417,6 +432,13 @@ def main(argv: list[str] | None = None) -> None:
         help="add a row with this fraction of packets delayed 5 ms behind later ones, no loss",
     )
     parser.add_argument(
+        "--parity",
+        type=int,
+        default=0,
+        metavar="K",
+        help="add a 10%%-loss row with Config.parity_group=K (one XOR parity per K packets)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -429,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
         help="cProfile rank 0's calls and event-loop thread per gossipnet row",
     )
     args = parser.parse_args(argv)  # fmt: skip
-    plan = build_plan(args.quick, args.chunk_kib, args.profile, args.reorder)
+    plan = build_plan(args.quick, args.chunk_kib, args.profile, args.reorder, args.parity)
     extra = dict(_override(kv) for kv in args.set)
     cases = tuple(
         dataclasses.replace(c, overrides={**extra, **c.overrides})

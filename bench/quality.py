@@ -68,37 +68,45 @@ from gossipnet._demo import (
     sample_windows,
     shard_stream,
 )
+from gossipnet.averaging._parity import group_count, members
 
 #: (mean loss rate, mean burst length in packets or None, copies of each data packet,
-#: loss only in the last third of the steps)
-Plan = tuple[float, float | None, int, bool]
+#: loss only in the last third of the steps, parity group size or 0)
+Plan = tuple[float, float | None, int, bool, int]
 FULL_PLANS: tuple[Plan, ...] = (
-    (0.0, None, 1, False),
-    (0.01, None, 1, False),
-    (0.05, None, 1, False),
-    (0.1, None, 1, False),
-    (0.2, None, 1, False),
-    (0.3, None, 1, False),
-    (0.1, 8.0, 1, False),
-    (0.1, None, 2, False),
-    (0.2, None, 2, False),
-    (0.1, None, 1, True),
+    (0.0, None, 1, False, 0),
+    (0.01, None, 1, False, 0),
+    (0.05, None, 1, False, 0),
+    (0.1, None, 1, False, 0),
+    (0.2, None, 1, False, 0),
+    (0.3, None, 1, False, 0),
+    (0.1, 8.0, 1, False, 0),
+    (0.1, None, 2, False, 0),
+    (0.2, None, 2, False, 0),
+    (0.1, None, 1, False, 3),
+    (0.2, None, 1, False, 3),
+    (0.1, None, 1, True, 0),
 )
 QUICK_PLANS: tuple[Plan, ...] = (
-    (0.0, None, 1, False),
-    (0.1, None, 1, False),
-    (0.1, None, 2, False),
-    (0.1, None, 1, True),
+    (0.0, None, 1, False, 0),
+    (0.1, None, 1, False, 0),
+    (0.1, None, 2, False, 0),
+    (0.1, None, 1, False, 3),
+    (0.1, None, 1, True, 0),
 )
 TARGET_REL_PPL_AT_10 = 1.01  # the paper's headline: <= 0.8% at 10% loss (LLaMA-2 7B)
 
 
-def key(loss: float, burst: float | None, copies: int = 1, late: bool = False) -> str:
+def key(
+    loss: float, burst: float | None, copies: int = 1, late: bool = False, parity: int = 0
+) -> str:
     """The JSON key of a plan: ``"0.1"``, ``"0.1x8"`` for bursts of 8 packets,
     ``"0.1r2"`` with two copies of every data packet (``Config.redundancy=2``),
+    ``"0.1p3"`` with one XOR parity packet per 3 (``Config.parity_group=3``),
     ``"0.1late"`` with loss only in the last third of the steps."""
     text = f"{loss:g}" if burst is None else f"{loss:g}x{burst:g}"
-    return text + (f"r{copies}" if copies > 1 else "") + ("late" if late else "")
+    text += (f"r{copies}" if copies > 1 else "") + (f"p{parity}" if parity else "")
+    return text + ("late" if late else "")
 
 
 def late_start(steps: int) -> int:
@@ -108,7 +116,7 @@ def late_start(steps: int) -> int:
 
 def plan_key(cfg: DemoConfig) -> str:
     """The JSON key of the plan a run's config came from."""
-    return key(cfg.loss, cfg.burst, cfg.redundancy, cfg.loss_from > 0)
+    return key(cfg.loss, cfg.burst, cfg.redundancy, cfg.loss_from > 0, cfg.parity_group)
 
 
 def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
@@ -142,8 +150,19 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     rs_lost = lost if phases in ("both", "rs") else 0.0
     ag_lost = lost if phases in ("both", "ag") else 0.0
 
+    chunk_owner = torch.arange(nchunks) * n // nchunks
+    groups = [  # parity groups: interleaved within each owner's range, as _parity lays out
+        list(members(int(first), int(count), cfg.parity_group, g))
+        for first, count in zip(*_ranges(chunk_owner), strict=True)
+        for g in range(group_count(int(count), cfg.parity_group) if cfg.parity_group else 0)
+    ]
+
     def arrived(p: float) -> torch.Tensor:  # per (replica, element): its chunk arrived
         ok = torch.rand(n, nchunks, generator=drops) >= p
+        for group in groups:  # one lost member, its parity arrived: rebuilt
+            parity_ok = torch.rand(n, generator=drops) >= p
+            fix = ((~ok[:, group]).sum(1) == 1) & parity_ok
+            ok[fix.nonzero().flatten()[:, None], torch.tensor(group)] = True
         return ok.repeat_interleave(elems, dim=1)[:, :size] | own
 
     for step in range(cfg.steps):
@@ -170,6 +189,13 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
         vector_to_parameters(theta[r], params)
         losses.append(evaluate(model, held_out))
     return statistics.fmean(losses)
+
+
+def _ranges(owner: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(first chunk, chunk count) of each owner's contiguous range."""
+    counts = torch.bincount(owner).tolist()
+    firsts = [sum(counts[:i]) for i in range(len(counts))]
+    return firsts, counts
 
 
 def main() -> None:
@@ -229,9 +255,10 @@ def main() -> None:
             redundancy=copies,
             data_seed=seed,
             loss_from=late_start(base.steps) if late else 0,
+            parity_group=parity,
         )
         for seed in range(args.seeds)
-        for loss, burst, copies, late in plans
+        for loss, burst, copies, late, parity in plans
     ]
     if args.ideal_only:
         ideal_only(args, base, cfgs)

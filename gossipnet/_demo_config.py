@@ -63,6 +63,7 @@ class DemoConfig:
     chunk_bytes: int | None = 16384
     resync_every: int = 100
     redundancy: int = 1  # Config.redundancy: copies of every data packet
+    parity_group: int = 0  # Config.parity_group: one XOR parity packet per this many
     timeout_s: float = 2.0  # per collective: 30x a loaded round on loopback; caps stalls
     corpus_bytes: int = 4_000_000
     split: str = "shuffled"  # how the stream is shared out: see _demo_model.shard_stream
@@ -83,6 +84,8 @@ class DemoConfig:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
+        if not 0 <= self.parity_group <= 64:
+            raise ValueError(f"parity_group must be in [0, 64], got {self.parity_group}")
         if not 1 <= self.redundancy <= 8:
             raise ValueError(f"redundancy must be in [1, 8], got {self.redundancy}")
         if self.eval_every < 1 or self.eval_windows < 1:
@@ -111,6 +114,7 @@ class DemoConfig:
         text = f"loss={self.loss:.0%}" if self.loss else "lossless"
         text += f" burst={self.burst:g}" if self.burst and self.loss else ""
         text += f" from step {self.loss_from}" if self.loss_from and self.loss else ""
+        text += f" parity 1/{self.parity_group}" if self.parity_group else ""
         return text + (f" x{self.redundancy} copies" if self.redundancy > 1 else "")
 
 

@@ -96,6 +96,13 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="send every data packet K times (loss p becomes ~p^K, K x the traffic)",
     )
+    p.add_argument(
+        "--parity",
+        type=int,
+        default=d.parity_group,
+        metavar="K",
+        help="one XOR parity packet per K data packets: rebuilds one lost of K, 1/K more traffic",
+    )
     p.add_argument("--compare", action="store_true", help="run lossless first, plot both")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
@@ -110,6 +117,7 @@ def _demo_config(args: argparse.Namespace) -> Any:
         loss=args.loss,
         burst=args.burst,
         redundancy=args.redundancy,
+        parity_group=args.parity,
         seed=args.seed,
         data_seed=args.data_seed,
         strategy=args.strategy,
@@ -246,7 +254,9 @@ def _run_demo(args: argparse.Namespace) -> int:
         return 2
     configs = [lossy]
     if args.compare:  # both runs on one set of processes: half the start-up
-        configs.insert(0, dataclasses.replace(lossy, loss=0.0, burst=None, redundancy=1))
+        configs.insert(
+            0, dataclasses.replace(lossy, loss=0.0, burst=None, redundancy=1, parity_group=0)
+        )
     bars = [_Progress(c.label(), c.steps, c.peers) for c in configs]
 
     def on_step(run: int, rec: Any) -> None:
