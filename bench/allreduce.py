@@ -54,6 +54,7 @@ import cProfile
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -241,7 +242,8 @@ def worker(rank: int, plan: Plan, ports: list[list[int]], barrier: Any) -> list[
                 continue
             profile = None
             if plan.profile_dir and rank == 0:
-                profile = os.path.join(plan.profile_dir, case.name.replace(" ", "_"))
+                name = re.sub(r"[^A-Za-z0-9.%-]+", "_", case.name)  # a file name
+                profile = os.path.join(plan.profile_dir, name)
             ctx = _gossipnet(rank, case, case_ports, plan.timeout_s, profile)
             runners.append(stack.enter_context(ctx))
         for j, n in enumerate(plan.sizes):

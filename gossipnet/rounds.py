@@ -35,6 +35,10 @@ class CollectiveReport:
         delivered_fraction: received / expected data packets, in [0, 1].
         elapsed_s: wall time of the call on this peer's clock.
         timed_out: a phase ended at its deadline instead of on completion.
+        extra: method-specific figures; the all-reduce's: ``late`` (packets that
+            came after their phase), ``copies_sent`` (``redundancy``),
+            ``parity_sent`` and ``recovered`` (``parity_group``: chunks rebuilt
+            from parity, which ``packets_lost`` still counts as lost on the wire).
     """
 
     round: RoundId = 0

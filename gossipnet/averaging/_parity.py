@@ -48,6 +48,7 @@ __all__ = (
     "members",
     "on_parity",
     "parities",
+    "parity_bytes",
     "recover",
     "send_parity",
 )
@@ -71,13 +72,23 @@ def group_length(nchunks: int, k: int, g: int, chunk_bytes: int, last_bytes: int
     return last_bytes if g == nchunks - 1 else chunk_bytes
 
 
-def parities(raw: Buffer, chunk_bytes: int, k: int) -> list[memoryview]:
+def parity_bytes(nbytes: int, chunk_bytes: int, k: int) -> int:
+    """Bytes :func:`parities` writes for a stream of ``nbytes``: ``G`` chunk widths."""
+    return group_count(-(-nbytes // chunk_bytes), k) * chunk_bytes
+
+
+def parities(
+    raw: Buffer, chunk_bytes: int, k: int, out: np.ndarray | None = None
+) -> list[memoryview]:
     """The parity of every group of the chunks laid out back to back in ``raw``.
 
     ``raw`` holds ``n`` chunks of ``chunk_bytes`` (the last may be shorter).  One
     vectorised pass: with the stream viewed as rows of ``G`` chunks, chunk ``i``
     sits in row ``i // G``, column ``i % G``; XOR-reducing the rows gives all G
     parities at once, and the last, partial row is XORed into their front.
+    ``out``: a uint8 array of :func:`parity_bytes` to write into (reused memory:
+    fresh pages cost a fault each); the views returned are read-only, so a
+    transport may send them without a copy.
     """
     data = np.frombuffer(raw, dtype=np.uint8)
     total = data.size
@@ -85,8 +96,13 @@ def parities(raw: Buffer, chunk_bytes: int, k: int) -> list[memoryview]:
     groups = group_count(n, k)
     width = groups * chunk_bytes
     rows = total // width
-    out = np.zeros(width, dtype=np.uint8)
-    if rows:
+    if out is None:
+        out = np.empty(width, dtype=np.uint8)
+    if out.shape != (width,) or out.dtype != np.uint8:
+        raise ValueError(f"out must be {width} uint8, got {out.shape} {out.dtype}")
+    if not rows:
+        out.fill(0)
+    else:
         # 8 bytes per XOR where the widths allow it (chunk sizes are multiples of 8)
         word = np.uint64 if width % 8 == 0 else np.uint8
         np.bitwise_xor.reduce(
@@ -95,7 +111,7 @@ def parities(raw: Buffer, chunk_bytes: int, k: int) -> list[memoryview]:
     tail = data[rows * width :]
     out[: tail.size] ^= tail
     last = total - (n - 1) * chunk_bytes
-    view = out.data.cast("B")
+    view = out.data.cast("B").toreadonly()
     return [
         view[g * chunk_bytes : g * chunk_bytes + group_length(n, k, g, chunk_bytes, last)]
         for g in range(groups)
@@ -136,8 +152,14 @@ def send_parity(
     """
     node, k = engine.node, rnd.fec_k
     plan = rnd.plans[b]
+    width = plan.chunk_elems * plan.itemsize
+    # round-private memory (the pool's set for this round), as queued sends need
+    scratch = rnd.pool.get(
+        rnd.parity, f"parity:{dests[0] if len(dests) == 1 else '*'}", b,
+        parity_bytes(raw.nbytes, width, k), torch.uint8,
+    ).numpy()  # fmt: skip
     sent = 0
-    for g, parity in enumerate(parities(raw, plan.chunk_elems * plan.itemsize, k)):
+    for g, parity in enumerate(parities(raw, width, k, scratch)):
         head = {**fields, "b": b, "g": g, "gs": k, "n": parity.nbytes}
         sent += node.send_frames(dests, node.codec.encode(kind, head, parity))
     rnd.parity_sent += sent
