@@ -14,7 +14,10 @@ Rows: random (Bernoulli) loss 0, 1, 5, 10, 20, 30%, one bursty plan
 (Gilbert-Elliott, 10% mean loss in bursts of 8 packets on average), and 10%
 and 20% with ``Config.redundancy=2`` (``r2``: every data packet sent twice,
 the copy trailing by a few hundred packets; no retransmission, no waiting,
-twice the data traffic), which turns a loss rate p into about p^2.
+twice the data traffic), which turns a loss rate p into about p^2, and 10% and
+20% with ``Config.parity_group=3`` (``p3``: one XOR parity packet per 3 data
+packets rebuilds one lost packet of its group; a third more traffic; p becomes
+about p * (1 - (1 - p)^3), 2.7% at 10%).
 ``late`` (``0.1late``): 10% loss in the last third of the steps only, the earlier
 steps loss-free: what loss costs late in training, closer to the paper's setting
 (fine-tuning a trained model) than loss from the first step.
@@ -28,7 +31,7 @@ arrived, each replica receives the new chunk with probability 1-p or keeps its
 stale value).  It separates what loss costs *by design* from what the
 implementation adds: the networked ``rel_ppl`` should match ``ideal``.
 
-    .venv/bin/python bench/quality.py --quick      # 0 and 10% (plain, r2, late), 3 peers, < 60 s
+    .venv/bin/python bench/quality.py --quick      # 0, 10% (plain, r2, p3, late), 3 peers, 45 s
     .venv/bin/python bench/quality.py              # all rates, 4 peers, ~5 min on 2 cores
     .venv/bin/python bench/quality.py --ideal      # + the in-process reference, ~10 min
     .venv/bin/python bench/quality.py --ideal-only --seeds 4 --plans 0.1   # reference only
@@ -36,7 +39,7 @@ implementation adds: the networked ``rel_ppl`` should match ``ideal``.
 
 The last stdout line is one JSON object:
 ``{"rel_ppl": {"0": 1.0, "0.1": ..., "0.1x8": ...}, "ppl": {...}, ...}``;
-keys are loss rates, ``RATExBURST`` for bursty plans.
+keys are loss rates, ``RATExBURST`` for bursty plans, suffixes ``r2``, ``p3``, ``late``.
 """
 
 from __future__ import annotations
