@@ -20,9 +20,11 @@ are bit-identical to what was sent (XOR is exact, any dtype), so an all-reduce
 stays exact where anything arrived and unbiased under random loss: whether a
 chunk is recovered depends on which packets were lost, never on their values.
 
-The receiver keeps each data payload of a stream that announces parity
-(``"x"`` in its fields: a reference to the received frame, no copy) until the
-round ends, so it can XOR the survivors of a group with its parity.
+To XOR a group's survivors with its parity, the receiver of a reduce-scatter
+stream that announces parity (``"x"`` in its data fields) keeps each payload
+(a reference to the received frame, no copy) until the round ends, as only
+their sum is kept otherwise; an all-gather's survivors are read back from
+``dst``, where they were written byte for byte.
 """
 
 from __future__ import annotations
@@ -172,14 +174,16 @@ def on_parity(
     pkt: Packet,
     stream: Callable[[int], range],
     have: Callable[[int, int], bool],
+    payload: Callable[[int, int], Buffer | None],
     accept: Callable[[int, int, torch.Tensor], None],
 ) -> None:
     """Recover the one lost member of ``pkt``'s group, if exactly one is lost.
 
     ``stream(b)``: the chunks of bucket ``b`` the sender sends us; ``have(b, c)``:
-    whether chunk ``c`` already arrived from it; ``accept(b, c, values)`` takes a
-    recovered chunk as if its packet had arrived.  A parity whose group arrived
-    whole, or lost two or more, does nothing.  Malformed ones are counted drops.
+    whether chunk ``c`` already arrived from it; ``payload(b, c)``: the bytes it
+    arrived with (None if not kept); ``accept(b, c, values)`` takes a recovered
+    chunk as if its packet had arrived.  A parity whose group arrived whole, or
+    lost two or more, does nothing.  Malformed ones are counted drops.
     """
     f = pkt.fields
     b, k, g = f.get("b"), f.get("gs"), f.get("g")
@@ -202,13 +206,12 @@ def on_parity(
     if len(lost) != 1:
         return
     (c,) = lost
-    held = rnd.fec_held
-    survivors = [held.get((pkt.src, b, m)) for m in group if m != c]
+    survivors = [payload(b, m) for m in group if m != c]
     if any(s is None for s in survivors):
         return  # a member came without "x" (a sender that changed its mind): no copy kept
     _, count = plan.chunk(c)
     values = from_bytes(
-        recover(pkt.payload, cast(list[memoryview], survivors), count * plan.itemsize),
+        recover(pkt.payload, cast(list[Buffer], survivors), count * plan.itemsize),
         plan.dtype,
         count,
     )
@@ -216,6 +219,6 @@ def on_parity(
         engine.dropped["non_finite"] += 1
         return
     for m in group:
-        held.pop((pkt.src, b, m), None)
+        rnd.fec_held.pop((pkt.src, b, m), None)
     rnd.recovered += 1
     accept(b, c, values)

@@ -182,6 +182,7 @@ def on_rs(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
             pkt,
             lambda b: rnd.owned[b],
             lambda b, c: (src, b, c) in rnd.seen,
+            lambda b, c: rnd.fec_held.get((src, b, c)),
             lambda b, c, values: _accept_rs(engine, rnd, src, b, c, values, float(w)),
         )
         return

@@ -111,8 +111,6 @@ async def send_ag(
             span = plan.byte_slice(c)
             payload = raw[span.start - base : span.stop - base]
             fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
-            if rnd.fec_k:
-                fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
             # one encoding (one MAC) for every destination
             frames = node.codec.encode(kind, fields, payload)
             rnd.sent += node.send_frames(others, frames)
@@ -158,6 +156,7 @@ def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
             pkt,
             lambda b: rnd.maps[b].chunks_of(src),
             lambda b, c: bool(rnd.got[b][c]),
+            lambda b, c: as_bytes(rnd.plans[b].view(rnd.dst[b], c)),  # as it arrived
             lambda b, c, values: _accept_ag(engine, rnd, src, b, c, values),
         )
         return
@@ -173,8 +172,6 @@ def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
         return
     if overtaken:
         engine.note_after_end(rnd, pkt)
-    if pkt.fields.get("x"):
-        rnd.fec_held[(src, b, c)] = pkt.payload
     _accept_ag(engine, rnd, src, b, c, values)
 
 
