@@ -92,7 +92,7 @@ def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
     the receiver's replay window drops the others.
     """
     node = engine.node
-    lossy = int(engine._recent_loss())
+    lossy = int(engine.loss.recent)
     for peer in rnd.participants:
         if peer != rnd.me:
             end = {"r": rnd.r, "m": rnd.mode, "n": rnd.rs_sent_to[peer], "l": lossy}

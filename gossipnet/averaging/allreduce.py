@@ -21,7 +21,7 @@ but only while packets have recently been seen to arrive after their END
 such wait, since lost packets never arrive.  A deadline learned
 from the spans of recent complete phases (``phase_deadline_factor`` x the
 median span), capped by the call's timeout, bounds a phase when ENDs or a
-whole peer are lost.  Where no loss has been seen for ``_QUIET_ROUNDS``
+whole peer are lost.  Where no loss has been seen for ``QUIET_ROUNDS``
 rounds, by us or by any peer (a flag on its END markers and heartbeats), one
 END copy goes out instead of five: a sender whose data all arrived is complete
 without its END, and at 1M elements the copies were half of all packets sent.
@@ -44,7 +44,8 @@ numbers, early packets, learned spans, the END-copy policy), the round driver
 and the packet intake.  The phases are functions over the engine and a round:
 :mod:`._scatter` the reduce-scatter, :mod:`.broadcast` the all-gather, :mod:`._cut`
 when a phase ends, :mod:`._packets` redundant copies, chunk checks and
-:class:`EngineKinds`; :mod:`._round` a round's bookkeeping, :mod:`._repair` NACKs.
+:class:`EngineKinds`; :mod:`._round` a round's bookkeeping, :mod:`._repair` NACKs,
+:mod:`._parity` XOR parity, :mod:`._loss_watch` what recent loss makes us spend.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ from ..rounds import CollectiveReport
 from ..transport.wire import DTYPE_CODES, Packet
 from . import _repair
 from ._cut import ReorderWindow, wait_phase
+from ._loss_watch import END_COPIES as END_COPIES
+from ._loss_watch import LossWatch
 from ._packets import ALLREDUCE_KINDS, MOSHPIT_KINDS, EngineKinds
 from ._round import BufferPool, OwnedShard, Round
 from ._scatter import announce_rs_end, finish_rs, on_rs, send_rs
@@ -71,9 +74,6 @@ __all__ = ("ALLREDUCE_KINDS", "MOSHPIT_KINDS", "EngineKinds", "LossyAllReduce", 
 
 log = logging.getLogger(__name__)
 
-END_COPIES = 5  # all lost with p^5: 0.2% per link at 30% loss
-#: Loss-free rounds (ours, and every peer's as their heartbeats say) before ENDs go out once.
-_QUIET_ROUNDS = 4
 _MAX_BUFFERED_PACKETS = 200_000
 _SPAN_HISTORY = 64
 _RS_SHARE = 0.6
@@ -106,9 +106,7 @@ class LossyAllReduce:
         self._reorder = ReorderWindow()  # how long an END waits for data it overtook
         self._lock = asyncio.Lock()
         self._pool = BufferPool()
-        self._rounds_run = 0
-        self._loss_at = 0  # ``_rounds_run`` when we last saw loss (cold engines count as lossy)
-        self._lossy_peers: set[str] = set()  # peers whose heartbeats say they saw loss
+        self.loss = LossWatch()  # recent loss, ours and our peers': END copies, parity
         self.dropped: collections.Counter[str] = collections.Counter()
         for kind in kinds.all():
             node.subscribe(kind, self._on_packet)
@@ -271,40 +269,20 @@ class LossyAllReduce:
 
     def _note_loss(self, report: CollectiveReport) -> None:
         """Remember whether this round saw loss; tell the peers through our heartbeat."""
-        self._rounds_run += 1
-        if report.packets_lost or report.timed_out or report.chunks_stale:
-            self._loss_at = self._rounds_run
-        self.node.beacon[self._loss_key] = int(self._recent_loss())
+        self.loss.note(report)
+        self.node.beacon[self._loss_key] = int(self.loss.recent)
 
-    def _recent_loss(self) -> bool:
-        return self._rounds_run - self._loss_at < _QUIET_ROUNDS
+    def _others(self, rnd: Round) -> list[str]:
+        return [p for p in rnd.participants if p != rnd.me]
 
     def _end_copies(self, rnd: Round) -> int:
-        """END copies for this round: ``END_COPIES`` unless the network has been quiet.
-
-        Why quiet means one: ENDs only matter to a receiver that lost data (all of a
-        sender's data completes it without one).  Why peers' flags count too (on
-        their END markers and heartbeats): loss on our outgoing links shows at the
-        receivers, not here.  If loss starts
-        while we send one copy, a receiver that lost data and that END waits for
-        our END re-announce or its learned cut, for that round only.
-        """
-        if rnd.redundancy > 1 or self._recent_loss():
-            return END_COPIES
-        if any(p in self._lossy_peers for p in rnd.participants if p != rnd.me):
-            return END_COPIES
-        return 1
+        """END copies for this round (``_loss_watch.LossWatch.end_copies``)."""
+        return self.loss.end_copies(self._others(rnd), rnd.redundancy)
 
     def _parity_group(self, rnd: Round) -> int:
-        """This round's parity group size (``Config.parity_group``), 0 for none.
-
-        Sent while loss is being seen by us or a participant (the END-copy rule),
-        so a clean network pays nothing; ``Config.parity_always`` sends it always.
-        """
-        k = self.node.config.parity_group
-        if not k or self.node.config.parity_always or self._recent_loss():
-            return k
-        return k if any(p in self._lossy_peers for p in rnd.participants if p != rnd.me) else 0
+        """This round's parity group size (``Config.parity_group``), 0 for none."""
+        cfg = self.node.config
+        return self.loss.parity_group(self._others(rnd), cfg.parity_group, cfg.parity_always)
 
     def _chunk_sizes(self, src: Sequence[torch.Tensor], participants: int) -> list[int]:
         """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket."""
@@ -405,10 +383,7 @@ class LossyAllReduce:
 
     def _peer_loss_flag(self, pkt: Packet) -> None:
         """A peer's "I saw loss recently" flag, from its END markers or heartbeats."""
-        if pkt.fields.get("l", pkt.fields.get(self._loss_key)):
-            self._lossy_peers.add(pkt.src)
-        else:
-            self._lossy_peers.discard(pkt.src)
+        self.loss.peer_flag(pkt.src, bool(pkt.fields.get("l", pkt.fields.get(self._loss_key))))
 
     def _on_heartbeat(self, pkt: Packet) -> None:
         self._peer_loss_flag(pkt)

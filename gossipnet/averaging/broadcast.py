@@ -134,7 +134,7 @@ def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
     """END of our all-gather to every other participant (one encoding for all)."""
     node = engine.node
     others = [p for p in rnd.participants if p != rnd.me]
-    end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent, "l": int(engine._recent_loss())}
+    end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent, "l": int(engine.loss.recent)}
     frames = node.codec.encode(engine.k.ag_end, end)
     for _ in range(copies):
         node.send_frames(others, frames)

@@ -76,3 +76,29 @@ def test_a_plan_still_pickles_for_the_demo_processes() -> None:
     plan = _demo_config.DemoConfig(loss=0.1, burst=4.0).fault_plan()
     assert plan is not None
     assert pickle.loads(pickle.dumps(plan)) == plan
+
+
+def test_the_engines_loss_policy_is_one_object() -> None:
+    """``averaging/_loss_watch.py`` (split from ``allreduce.py``): END copies and
+    parity follow one rule, and ``END_COPIES`` stays importable from the engine."""
+    from gossipnet.averaging import _loss_watch, allreduce
+    from gossipnet.rounds import CollectiveReport
+
+    assert allreduce.END_COPIES is _loss_watch.END_COPIES
+    watch = _loss_watch.LossWatch()
+    assert watch.recent  # cold: counts as lossy
+    assert watch.end_copies(["b"], 1) == _loss_watch.END_COPIES
+    assert watch.parity_group(["b"], 3, always=False) == 3
+    for _ in range(_loss_watch.QUIET_ROUNDS):
+        watch.note(CollectiveReport())
+    assert not watch.recent
+    assert watch.end_copies(["b"], 1) == 1
+    assert watch.end_copies(["b"], 2) == _loss_watch.END_COPIES  # copies need their ENDs
+    assert watch.parity_group(["b"], 3, always=False) == 0
+    assert watch.parity_group(["b"], 3, always=True) == 3
+    watch.peer_flag("b", True)  # a peer saw loss on our links
+    assert watch.parity_group(["b"], 3, always=False) == 3
+    assert watch.parity_group(["c"], 3, always=False) == 0  # not in this round
+    watch.note(CollectiveReport(packets_lost=1))
+    watch.peer_flag("b", False)
+    assert watch.end_copies(["c"], 1) == _loss_watch.END_COPIES
