@@ -20,6 +20,7 @@ from typing import Any, Self, TypeVar
 from ._collective import FlatCache
 from ._join import advertise_host
 from ._loop import LoopThread
+from ._malloc import tune_malloc
 from ._microbatch import MicrobatchState
 from ._node import Node
 from .averaging.allreduce import LossyAllReduce
@@ -59,6 +60,8 @@ class PeerCore:
         expected_peers: int | None = None,
     ) -> None:
         self.config = config
+        if config.tune_malloc:
+            tune_malloc()
         self._loop = LoopThread(f"gossipnet-{peer_id}", use_uvloop=config.use_uvloop)
         self._node = Node(
             config=config,
