@@ -285,11 +285,14 @@ class LossyAllReduce:
         return self.loss.parity_group(self._others(rnd), cfg.parity_group, cfg.parity_always)
 
     def _chunk_sizes(self, src: Sequence[torch.Tensor], participants: int) -> list[int]:
-        """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket."""
+        """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket,
+        never past ``Config.max_payload_bytes`` (a receiver would drop it)."""
         fixed = self.node.config.chunk_bytes
         transport = self.node.transport
+        limit = self.node.config.max_payload_bytes
         base = transport.default_chunk_bytes if transport is not None else 64 * 1024
-        cap = getattr(transport, "max_chunk_bytes", base)
+        base = min(base, limit)
+        cap = min(getattr(transport, "max_chunk_bytes", base), limit)
         return [
             fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
             for b in src

@@ -117,12 +117,14 @@ class ZmqTransport(Transport):
     # 256 KiB: per-packet Python costs ~40 us, so 64 KiB chunks spend more time in
     # per-packet overhead than in moving bytes (bench/allreduce.py measured 1.3x CPU)
     default_chunk_bytes: ClassVar[int] = 256 * 1024
-    # Large buckets go in chunks of up to 2 MiB (averaging.chunks.auto_chunk_bytes):
+    # Large buckets go in chunks of up to 4 MiB (averaging.chunks.auto_chunk_bytes):
     # each packet costs two thread wake-ups per process on top of its Python cost.
     # 1 MiB chunks cut the all-reduce's CPU by ~30% against 256 KiB at 16 MB; 2 MiB
     # by 6-14% more against 1 MiB at 100 MB (bench/allreduce.py --chunk-kib 1024 2048,
-    # two runs).  Bigger saves little more and no longer fits a 2 MiB L2 cache.
-    max_chunk_bytes: ClassVar[int] = 2 * 1024 * 1024
+    # two runs); 4 MiB by 7-9% more against 2 MiB at 100 MB once received messages
+    # stopped costing page faults (gossipnet._malloc; --chunk-kib 4096, two runs).
+    # Never above Config.max_payload_bytes (the engine caps it there).
+    max_chunk_bytes: ClassVar[int] = 4 * 1024 * 1024
 
     def __init__(
         self,
