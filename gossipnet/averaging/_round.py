@@ -133,6 +133,7 @@ class Round:
         mode: int = 0,
         redundancy: int = 1,
         pool: BufferPool | None = None,
+        in_place: bool = False,
     ) -> None:
         self.r = r
         self.mode = mode
@@ -158,8 +159,19 @@ class Round:
             span = self.maps[b].owned_range(me)
             acc_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
             own = buf.narrow(0, span.start, len(span))
-            acc = self.pool.get(self.parity, "acc", b, len(span), acc_dtype)
-            acc.copy_(own)
+            if (
+                in_place
+                and weight > 0
+                and acc_dtype == buf.dtype
+                and own.data_ptr() == (self.dst[b].narrow(0, span.start, len(span)).data_ptr())
+            ):
+                # ``dst`` is ``src`` and no one reads our own shard of it before the
+                # average lands there: accumulate in place, no copy in or out
+                # (weight > 0: a chunk with no weight would need the values back)
+                acc = own
+            else:
+                acc = self.pool.get(self.parity, "acc", b, len(span), acc_dtype)
+                acc.copy_(own)
             if weight != 1.0:
                 acc.mul_(weight)
             self.acc.append(acc)

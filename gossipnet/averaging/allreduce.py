@@ -191,7 +191,7 @@ class LossyAllReduce:
         node, clock = self.node, self.node.clock
         t0 = clock.now()
         deadline = t0 + timeout_s
-        rnd = self._start_round(src, dst, weight, participants, mode, redundancy)
+        rnd = self._start_round(src, dst, weight, participants, mode, redundancy, not repair)
         try:
             # the reduce-scatter may use at most 60% of the bound: the all-gather needs
             # the rest, or a silent dead peer would leave every chunk stale
@@ -222,14 +222,21 @@ class LossyAllReduce:
         participants: Sequence[str] | None,
         mode: int,
         redundancy: int | None,
+        in_place: bool = False,
     ) -> Round:
-        """Pick the round number and view, make the round current, drop older buffers."""
+        """Pick the round number and view, make the round current, drop older buffers.
+
+        ``in_place``: where ``dst`` is ``src``, average our shard inside it.  Not for
+        repaired rounds (resyncs): their broadcast is served again after the round,
+        from memory the caller must not have changed since.
+        """
         node = self.node
         r = max(self.next_round, self.max_seen)
         parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
         rnd = Round(
             r, node.peer_id, parts, src, dst, weight, self._chunk_sizes(src, len(parts)), mode,
             node.config.redundancy if redundancy is None else redundancy, self._pool,
+            in_place,
         )  # fmt: skip
         rnd.fec_k = self._parity_group(rnd)
         self._round = rnd

@@ -67,12 +67,17 @@ def _broadcast_bytes(rnd: Round, shard: OwnedShard, value: torch.Tensor) -> memo
     Sent from memory private to the round (``dst`` changes after the round,
     queued sends must not), read-only so that ZeroMQ sends it to every
     destination without copying.  The accumulator itself when it is what we
-    broadcast (a plain all-reduce): no copy at all.  Kept in ``rnd.broadcast``
-    for repair requests.
+    broadcast (a plain all-reduce): no copy at all.  Averaged in place (``dst``
+    is ``src``, see ``Round``), that accumulator is ``dst``: like the
+    reduce-scatter's sends from ``src``, a packet still queued to a slow peer
+    when the caller next writes there fails its MAC at that peer (counted, seen
+    as lost), never arrives altered.  Kept in ``rnd.broadcast`` for repair
+    requests (repaired rounds never average in place).
     """
     b = shard.bucket
     out = rnd.dst[b].narrow(0, shard.start, value.numel())
-    out.copy_(value)  # cast to the bucket dtype
+    if value.data_ptr() != out.data_ptr() or value.dtype != out.dtype:
+        out.copy_(value)  # cast to the bucket dtype (not when averaged in place)
     if value is shard.average and value.dtype == out.dtype:
         private = value
     else:

@@ -868,7 +868,8 @@ def test_redundancy_is_validated(cfg: Config) -> None:
 def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, hooked: bool
 ) -> None:
-    """Accumulators (and, with a hook, broadcast copies) come from a pool of two
+    """In place (``dst`` is ``src``) a shard is averaged inside the input: no
+    accumulator at all.  Broadcast copies (with a hook) come from a pool of two
     sets used in alternation: no allocation per round after the second, and a
     round never writes into memory the previous round may still be sending."""
 
@@ -891,10 +892,49 @@ def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
                     torch.testing.assert_close(x[0].double(), want, rtol=1e-6, atol=1e-6)
                 slots = engines[0]._pool._slots
                 ptrs.append({t.data_ptr() for t in slots.values()})
-            per_set = 2 if hooked else 1  # accumulator, + broadcast copy with a hook
-            assert len(ptrs[0]) == per_set
-            assert len(ptrs[1]) == 2 * per_set  # the other set
+            if not hooked:  # averaged inside the inputs: nothing pooled
+                assert ptrs == [set()] * 5
+                return
+            assert len(ptrs[0]) == 1  # the broadcast copy
+            assert len(ptrs[1]) == 2  # the other set
             assert ptrs[1] == ptrs[2] == ptrs[3] == ptrs[4]  # reused, never reallocated
+
+    run_async(main())
+
+
+@pytest.mark.timeout(15)
+def test_separate_dst_and_repaired_rounds_never_average_inside_the_input(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """Only a plain in-place round averages inside ``src``: with a separate
+    ``dst`` the input is left as it was, and a repaired round (a resync, whose
+    broadcast is served again after the round) accumulates in pooled memory."""
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = engines_of(nodes)
+            gen = torch.Generator().manual_seed(12)
+            inputs = [torch.randn(NUMEL, generator=gen) for _ in range(N)]
+            kept = [x.clone() for x in inputs]
+            outs = [torch.zeros(NUMEL) for _ in range(N)]
+            mean = torch.stack(kept).mean(0)
+            runs = [
+                e.run([x], dst=[o], timeout_s=2.0)
+                for e, x, o in zip(engines, inputs, outs, strict=True)
+            ]
+            await drive(clock, asyncio.gather(*runs), timeout_s=7)
+            for x, k, o in zip(inputs, kept, outs, strict=True):
+                assert torch.equal(x, k)  # src untouched
+                torch.testing.assert_close(o, mean, rtol=1e-6, atol=1e-6)
+            assert sum(k[1] == "acc" for k in engines[0]._pool._slots) == 1
+            runs = [
+                e.run([x], timeout_s=2.0, repair=True) for e, x in zip(engines, inputs, strict=True)
+            ]
+            await drive(clock, asyncio.gather(*runs), timeout_s=7)
+            for x in inputs:
+                torch.testing.assert_close(x, mean, rtol=1e-6, atol=1e-6)
+            assert sum(k[1] == "acc" for k in engines[0]._pool._slots) == 2  # the other set
 
     run_async(main())
 
