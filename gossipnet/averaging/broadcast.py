@@ -66,19 +66,22 @@ def _broadcast_bytes(rnd: Round, shard: OwnedShard, value: torch.Tensor) -> memo
 
     Sent from memory private to the round (``dst`` changes after the round,
     queued sends must not), read-only so that ZeroMQ sends it to every
-    destination without copying.  The accumulator itself when it is what we
-    broadcast (a plain all-reduce): no copy at all.  Averaged in place (``dst``
-    is ``src``, see ``Round``), that accumulator is ``dst``: like the
-    reduce-scatter's sends from ``src``, a packet still queued to a slow peer
-    when the caller next writes there fails its MAC at that peer (counted, seen
-    as lost), never arrives altered.  Kept in ``rnd.broadcast`` for repair
-    requests (repaired rounds never average in place).
+    destination without copying.  The pooled accumulator itself when it is what
+    we broadcast (a plain all-reduce): no copy at all.  Averaged in place
+    (``dst`` is ``src``, see ``Round``), the average already is ``dst``, which the
+    caller overwrites as soon as we return, while our broadcast may still sit in
+    ZeroMQ's queues (our round ends when the others' shards have arrived, not
+    ours): one copy then, measured: sending from ``dst`` left chunks stale at 0%
+    loss.  (The reduce-scatter may send from ``src``: a round cannot end before
+    the owners had our contributions or cut us.)  Kept in ``rnd.broadcast`` for
+    repair requests.
     """
     b = shard.bucket
     out = rnd.dst[b].narrow(0, shard.start, value.numel())
-    if value.data_ptr() != out.data_ptr() or value.dtype != out.dtype:
-        out.copy_(value)  # cast to the bucket dtype (not when averaged in place)
-    if value is shard.average and value.dtype == out.dtype:
+    in_dst = value.numel() > 0 and value.data_ptr() == out.data_ptr()
+    if not in_dst or value.dtype != out.dtype:
+        out.copy_(value)  # cast to the bucket dtype
+    if value is shard.average and value.dtype == out.dtype and not in_dst:
         private = value
     else:
         private = rnd.pool.get(rnd.parity, "bcast", b, out.numel(), out.dtype)

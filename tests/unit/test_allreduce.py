@@ -869,9 +869,11 @@ def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, hooked: bool
 ) -> None:
     """In place (``dst`` is ``src``) a shard is averaged inside the input: no
-    accumulator at all.  Broadcast copies (with a hook) come from a pool of two
-    sets used in alternation: no allocation per round after the second, and a
-    round never writes into memory the previous round may still be sending."""
+    accumulator at all.  What it broadcasts is copied (the caller overwrites its
+    input as soon as the call returns, while the broadcast may still be queued)
+    into a pool of two sets used in alternation: no allocation per round after
+    the second, and a round never writes into memory the previous round may
+    still be sending."""
 
     def triple(shards: list[OwnedShard]) -> list[torch.Tensor]:
         return [s.average * 3 for s in shards]  # fresh tensors: broadcast from a copy
@@ -892,12 +894,34 @@ def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
                     torch.testing.assert_close(x[0].double(), want, rtol=1e-6, atol=1e-6)
                 slots = engines[0]._pool._slots
                 ptrs.append({t.data_ptr() for t in slots.values()})
-            if not hooked:  # averaged inside the inputs: nothing pooled
-                assert ptrs == [set()] * 5
-                return
+            assert {k[1] for k in engines[0]._pool._slots} == {"bcast"}  # no accumulator
             assert len(ptrs[0]) == 1  # the broadcast copy
             assert len(ptrs[1]) == 2  # the other set
             assert ptrs[1] == ptrs[2] == ptrs[3] == ptrs[4]  # reused, never reallocated
+
+    run_async(main())
+
+
+@pytest.mark.timeout(15)
+def test_an_in_place_broadcast_survives_the_caller_overwriting_its_input(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """The bytes an in-place round broadcast (and serves repairs from) are not
+    the input: a caller that overwrites its tensor right after the call returns
+    must not change packets still queued to a slower peer."""
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = engines_of(nodes)
+            gen = torch.Generator().manual_seed(13)
+            inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
+            await allreduce(drive, clock, engines, inputs)
+            sent = [bytes(e._last.broadcast[0]) for e in engines]
+            for x in inputs:
+                x[0].fill_(float("nan"))  # the caller's next backward()
+            assert [bytes(e._last.broadcast[0]) for e in engines] == sent
+            assert all(len(b) > 0 for b in sent)
 
     run_async(main())
 
