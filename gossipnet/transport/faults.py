@@ -40,6 +40,12 @@ from .base import Buffer, PacketHandler, Transport, TransportStats
 
 __all__ = ("Crash", "FaultPlan", "FaultStats", "FaultyTransport", "GilbertElliott", "Partition")
 
+# Public home of the plan's classes: reprs, docs and pickles (a FaultPlan travels to
+# spawned processes) name this module, not the private one they are defined in.
+for _cls in (Crash, FaultPlan, FaultStats, GilbertElliott, Partition):
+    _cls.__module__ = __name__
+del _cls
+
 
 class _LinkState:
     """Per directed link: its RNG, Gilbert-Elliott state, token bucket, counters."""

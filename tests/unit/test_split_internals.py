@@ -76,6 +76,12 @@ def test_a_plan_still_pickles_for_the_demo_processes() -> None:
     plan = _demo_config.DemoConfig(loss=0.1, burst=4.0).fault_plan()
     assert plan is not None
     assert pickle.loads(pickle.dumps(plan)) == plan
+    # pickles (and reprs, docs) name the public module, so the private one may move
+    data = pickle.dumps(plan)
+    assert b"gossipnet.transport.faults" in data
+    assert b"_fault_plan" not in data
+    for name in faults.__all__:  # the classes (Link is a type alias)
+        assert getattr(faults, name).__module__ == "gossipnet.transport.faults"
 
 
 def test_the_engines_loss_policy_is_one_object() -> None:
