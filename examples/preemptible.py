@@ -223,10 +223,20 @@ def report(
     }
     plot(args, losses, events, live, t0)
     print(json.dumps(summary))
-    ok = summary["loss_last_20pct"] < 0.5 * summary["loss_first_20pct"]
-    ok = ok and summary["restarts_synced"] == summary["restarts"]
-    print("loss kept falling; every restart resumed from a live peer's state" if ok else "FAILED")
-    return 0 if ok else 1
+    failed = []
+    if not summary["loss_last_20pct"] < 0.5 * summary["loss_first_20pct"]:
+        failed.append(
+            f"the loss did not halve ({summary['loss_first_20pct']} -> "
+            f"{summary['loss_last_20pct']}; a longer --duration trains further)"
+        )
+    if summary["restarts_synced"] != summary["restarts"]:
+        failed.append(
+            f"{summary['restarts'] - summary['restarts_synced']} of {summary['restarts']}"
+            " restarts did not resume from a live peer's state"
+        )
+    print("FAILED: " + "; ".join(failed) if failed else
+          "loss kept falling; every restart resumed from a live peer's state")  # fmt: skip
+    return 1 if failed else 0
 
 
 def plot(args: argparse.Namespace, losses: list[tuple[float, float]], events: list[dict[str, Any]],
