@@ -74,6 +74,12 @@ class Config:
             their END markers and heartbeats, our peers), so a clean network pays
             nothing; ``parity_always`` sends it in every round.
         parity_always: send parity packets even while no loss has been seen.
+        stale_step: the lossy optimizer (``strategy="allreduce"``) moves a parameter
+            chunk whose broadcast was lost by the size of the last step of it that
+            arrived, against the sign of this peer's own gradient, instead of
+            keeping it one step behind: the gradient taken there next is what lost
+            broadcasts cost (``averaging/_stale_step.py``).  False keeps the old
+            values.
     """
 
     # identity
@@ -107,6 +113,7 @@ class Config:
     redundancy: int = 1
     parity_group: int = 0
     parity_always: bool = False
+    stale_step: bool = True
 
     def __post_init__(self) -> None:
         positive = (

@@ -29,6 +29,7 @@ import torch
 
 from ._moshpit_optim import MoshpitStrategy
 from ._route_optim import RouteStrategy
+from .averaging._stale_step import StaleStep
 from .averaging.allreduce import LossyAllReduce, OwnedShard
 from .averaging.chunks import FlatBuffer, all_finite
 from .errors import ConfigError
@@ -101,6 +102,8 @@ class GossipOptimizer:
         if self.resync_every < 0:
             raise ConfigError("resync_every_steps must be >= 0")
         self.timeout = cfg.collective_timeout_s if timeout is None else timeout
+        # lost parameter broadcasts take an estimated step (Config.stale_step)
+        self._stale_step = StaleStep() if cfg.stale_step else None
         self.groups = [[p for p in g["params"] if p.requires_grad] for g in base.param_groups]
         if not any(self.groups):
             raise ValueError("the optimizer has no parameter that requires grad")
@@ -245,6 +248,7 @@ class GossipOptimizer:
             timeout_s=self.timeout,
             on_reduced=on_reduced,
             mode=MODE_GRADS,
+            stale_step=self._stale_step,
         )
 
     def _step_shards(

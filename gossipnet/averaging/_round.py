@@ -198,6 +198,9 @@ class Round:
         # XOR parity (._parity): our group size this round (0 = none), the payloads of
         # streams that announce parity (kept to recover a group's one lost member)
         self.fec_k = 0
+        # per bucket, the mean step of each chunk that arrived (NaN: not measured);
+        # only while an optimizer estimates missed steps (._stale_step)
+        self.step_mag: list[torch.Tensor] | None = None
         self.fec_held: dict[tuple[str, int, int], memoryview] = {}
         self.parity_sent = 0
         self.recovered = 0

@@ -67,6 +67,7 @@ from ._loss_watch import LossWatch
 from ._packets import ALLREDUCE_KINDS, MOSHPIT_KINDS, EngineKinds
 from ._round import BufferPool, OwnedShard, Round
 from ._scatter import announce_rs_end, finish_rs, on_rs, send_rs
+from ._stale_step import StaleStep
 from .broadcast import all_gather, on_ag
 from .chunks import auto_chunk_bytes
 
@@ -128,6 +129,7 @@ class LossyAllReduce:
         mode: int = 0,
         repair: bool = False,
         redundancy: int | None = None,
+        stale_step: StaleStep | None = None,
     ) -> CollectiveReport:
         """One round: reduce-scatter ``src``, then all-gather into ``dst`` (default ``src``).
 
@@ -149,6 +151,9 @@ class LossyAllReduce:
                 must leave every peer identical).
             redundancy: copies of every data packet (default ``Config.redundancy``);
                 2 turns a loss rate p into about p^2 for twice the traffic.
+            stale_step: estimate the chunks of ``dst`` whose broadcast was lost
+                (an optimizer's parameters, ``src`` its gradient) instead of keeping
+                them: see :mod:`._stale_step`; the report's ``extra["estimated"]``.
 
         Returns:
             The :class:`CollectiveReport` of the round; network faults never raise.
@@ -173,6 +178,7 @@ class LossyAllReduce:
                 mode,
                 repair,
                 redundancy,
+                stale_step,
             )
 
     # ------------------------------------------------------------------ the round
@@ -187,11 +193,14 @@ class LossyAllReduce:
         mode: int,
         repair: bool,
         redundancy: int | None,
+        stale_step: StaleStep | None = None,
     ) -> CollectiveReport:
         node, clock = self.node, self.node.clock
         t0 = clock.now()
         deadline = t0 + timeout_s
         rnd = self._start_round(src, dst, weight, participants, mode, redundancy, not repair)
+        if stale_step is not None:
+            rnd.step_mag = StaleStep.fresh(rnd)
         try:
             # the reduce-scatter may use at most 60% of the bound: the all-gather needs
             # the rest, or a silent dead peer would leave every chunk stale
@@ -205,7 +214,10 @@ class LossyAllReduce:
             if repair:
                 rnd.repaired = True  # its repair answers arrive after ENDs by design
                 ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
+            estimated = stale_step.apply(rnd) if stale_step is not None else 0
             report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
+            if stale_step is not None:
+                report.extra["estimated"] = float(estimated)
             self._note_loss(report)
             return report
         finally:

@@ -29,6 +29,7 @@ from ._cut import wait_phase
 from ._packets import COPY_LAG, YIELD_EVERY, Send, chunk_of, send_copies, send_copy
 from ._parity import on_parity, send_parity
 from ._round import OwnedShard, Round
+from ._stale_step import StaleStep
 from .chunks import as_bytes
 
 if TYPE_CHECKING:
@@ -187,6 +188,8 @@ def _accept_ag(
     engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor
 ) -> None:
     """Write one chunk (arrived or rebuilt from parity) into ``dst``."""
+    if rnd.step_mag is not None:
+        StaleStep.measure(rnd, b, c, values)
     rnd.plans[b].view(rnd.dst[b], c).copy_(values)
     rnd.got[b][c] = True
     ag = rnd.ag

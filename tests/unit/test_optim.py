@@ -144,6 +144,40 @@ def test_state_dict_round_trip() -> None:
         torch.testing.assert_close(redo, after)
 
 
+@pytest.mark.parametrize("stale_step", [True, False], ids=["estimate", "keep"])
+def test_lost_parameter_broadcasts_take_an_estimated_step(stale_step: bool) -> None:
+    """Config.stale_step (default): chunks whose broadcast was lost move by their
+    last arrived step against our own gradient (counted in ``extra["estimated"]``);
+    off, they keep their values and the report has no such figure."""
+    n_params = 2048
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[float, bool]:
+        p = torch.nn.Parameter(torch.zeros(n_params))
+        opt = peer.optimizer(torch.optim.SGD([p], lr=0.1), resync_every_steps=0)
+        gen = torch.Generator().manual_seed(2000 + rank)
+        estimated, seen = 0.0, False
+        for _ in range(40):
+            p.grad = torch.randn(n_params, generator=gen) + 1.0  # drifts one way
+            rep = opt.step()
+            seen = seen or "estimated" in rep.extra
+            estimated += rep.extra.get("estimated", 0.0)
+        assert bool(torch.isfinite(p).all())
+        return estimated, seen
+
+    out = run_peers(
+        3,
+        body,
+        faults=gossipnet.FaultPlan(loss=0.2, seed=12),
+        collective_timeout_s=2.0,
+        chunk_bytes=1024,
+        stale_step=stale_step,
+    )
+    if stale_step:
+        assert sum(e for e, _ in out) > 0, out
+    else:
+        assert not any(seen for _, seen in out), out
+
+
 def test_drift_bounded_under_loss_and_zero_after_resync() -> None:
     """1000 steps at 10% loss: the replica gap does not grow with t; resync zeroes it."""
     steps, n_params = 1000, 4096

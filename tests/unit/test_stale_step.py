@@ -1,0 +1,71 @@
+"""The estimated step for parameter chunks whose broadcast was lost (``_stale_step``).
+
+What it must do: measure each arrived chunk's step (mean |new - old|), move a
+missed chunk by the last step measured for it against the sign of this peer's
+own gradient, leave our own chunks and never-measured chunks alone, and forget
+what it knew when the chunk layout changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gossipnet.averaging._round import Round
+from gossipnet.averaging._stale_step import StaleStep
+
+CHUNK = 64  # bytes: 16 float32 per chunk
+N = 64  # 4 chunks; "a" owns chunks 0-1, "b" chunks 2-3
+
+
+def one_round(
+    stale: StaleStep, param: torch.Tensor, grad: torch.Tensor, arrive: dict[int, torch.Tensor]
+) -> int:
+    """One round on peer "a": chunks in ``arrive`` come in with those values."""
+    rnd = Round(0, "a", ("a", "b"), [grad], [param], 1.0, [CHUNK])
+    rnd.step_mag = StaleStep.fresh(rnd)
+    for c, values in arrive.items():
+        StaleStep.measure(rnd, 0, c, values)
+        rnd.plans[0].view(param, c).copy_(values)
+        rnd.got[0][c] = True
+    return stale.apply(rnd)
+
+
+def test_a_missed_chunk_steps_by_its_last_measured_size_against_our_gradient() -> None:
+    stale = StaleStep()
+    param = torch.zeros(N)
+    grad = torch.ones(N)
+    grad[40:48] = -1.0  # half of chunk 2 points the other way
+    # round 1: both of b's chunks arrive, each moved by 0.5 (chunk 2) and 0.25 (chunk 3)
+    new = {2: torch.full((16,), -0.5), 3: torch.full((16,), 0.25)}
+    assert one_round(stale, param, grad, new) == 0  # nothing missed
+    before = param.clone()
+    # round 2: chunk 2 is lost, chunk 3 arrives
+    stepped = one_round(stale, param, grad, {3: torch.full((16,), 0.5)})
+    assert stepped == 1
+    want = before[32:48] - 0.5 * torch.sign(grad[32:48])
+    torch.testing.assert_close(param[32:48], want)  # -1.0 where grad > 0, 0.0 where < 0
+    assert torch.equal(param[:32], before[:32])  # our own chunks: untouched
+    assert torch.equal(param[48:], torch.full((16,), 0.5))  # arrived: as sent
+
+
+def test_a_chunk_never_seen_to_arrive_and_a_zero_gradient_stay_put() -> None:
+    stale = StaleStep()
+    param = torch.arange(N, dtype=torch.float32)
+    kept = param.clone()
+    assert one_round(stale, param, torch.ones(N), {}) == 0  # no step measured yet
+    assert torch.equal(param, kept)
+    one_round(stale, param, torch.ones(N), {2: kept[32:48] + 1.0, 3: kept[48:] + 1.0})
+    after = param.clone()
+    one_round(stale, param, torch.zeros(N), {})  # a non-finite gradient was zeroed
+    assert torch.equal(param, after)
+
+
+def test_a_new_chunk_layout_forgets_the_measured_steps() -> None:
+    stale = StaleStep()
+    param = torch.zeros(N)
+    one_round(stale, param, torch.ones(N), {2: torch.ones(16), 3: torch.ones(16)})
+    other = torch.zeros(2 * N)  # another model: 8 chunks
+    rnd = Round(1, "a", ("a", "b"), [torch.ones(2 * N)], [other], 1.0, [CHUNK])
+    rnd.step_mag = StaleStep.fresh(rnd)
+    assert stale.apply(rnd) == 0
+    assert torch.equal(other, torch.zeros(2 * N))
