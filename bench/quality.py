@@ -127,7 +127,9 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
 
     Same data, initial model, AdamW and LR schedule as ``gossipnet._demo``; chunks
     of ``cfg.chunk_bytes`` are owned in contiguous ranges; drops are Bernoulli
-    ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.
+    ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.  A missed
+    parameter chunk takes the estimated step of ``Config.stale_step`` when
+    ``cfg.stale_step`` (the default), else stays stale.
     ``phases``: where packets are lost: ``"both"``, ``"rs"`` (gradients only) or
     ``"ag"`` (parameter broadcasts only), to see which costs what.  Steps before
     ``cfg.loss_from`` (the ``late`` plans) are loss-free.
@@ -148,6 +150,9 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     own = torch.arange(n)[:, None] == owner[None, :]  # replica r owns element e
     m, v = torch.zeros(size), torch.zeros(size)
     drops = torch.Generator().manual_seed(cfg.seed)
+    chunk_of_elem = torch.arange(size) // elems
+    first_elem = torch.arange(nchunks) * elems
+    step_size = torch.zeros(n, nchunks)  # Config.stale_step: last arrived step per chunk
 
     lost = cfg.loss**cfg.redundancy  # every copy lost
     rs_lost = lost if phases in ("both", "rs") else 0.0
@@ -184,8 +189,15 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
         new = theta[owner, torch.arange(size)] - lr_at(cfg, step) / (1 - 0.9**t) * m / (
             (v / (1 - 0.999**t)).sqrt() + 1e-8
         )
-        # all-gather: a missed chunk stays stale
-        theta = torch.where(arrived(ag_lost if lossy else 0.0), new, theta)
+        # all-gather: a missed chunk stays stale or (Config.stale_step) takes the size
+        # of its last arrived step against the sign of the replica's own gradient
+        got = arrived(ag_lost if lossy else 0.0)
+        if cfg.stale_step:
+            moved = torch.zeros(n, nchunks).index_add_(1, chunk_of_elem, (new - theta).abs())
+            moved /= torch.bincount(chunk_of_elem, minlength=nchunks)
+            step_size = torch.where(got[:, first_elem], moved, step_size)
+            theta = theta - step_size[:, chunk_of_elem] * torch.sign(grads) * ~got
+        theta = torch.where(got, new, theta)
     held_out = eval_windows(held, cfg.eval_windows, cfg.context)
     losses = []
     for r in range(n):
@@ -216,6 +228,11 @@ def main() -> None:
         help="how the text is shared out: shuffled blocks (IID, default) or one slice per peer",
     )
     parser.add_argument("--strategy", choices=("allreduce", "grads"), default="allreduce")
+    parser.add_argument(
+        "--no-stale-step",
+        action="store_true",
+        help="Config.stale_step=False: lost parameter broadcasts keep their values (sim too)",
+    )
     parser.add_argument("--ideal", action="store_true", help="add the in-process reference")
     parser.add_argument(
         "--ideal-only",
@@ -247,6 +264,7 @@ def main() -> None:
         steps=args.steps or (150 if args.quick else 300),
         strategy=args.strategy,
         split=args.split,
+        stale_step=not args.no_stale_step,
         **({"lr": args.lr} if args.lr else {}),
         eval_every=10**9,  # the final evaluation only: it is all this bench reads
     )
@@ -307,6 +325,7 @@ def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
             "peers": base.peers,
             "steps": base.steps,
             "lr": base.lr,
+            "stale_step": base.stale_step,
             "seeds": args.seeds,
             "rel_ppl": {k: round(v, 5) for k, v in ideal.items()},
             "wall_s": round(time.monotonic() - t0, 1),
@@ -358,6 +377,7 @@ def report(
             "steps": base.steps,
             "seeds": getattr(args, "seeds", 1),
             "strategy": base.strategy,
+            "stale_step": base.stale_step,
             "rel_ppl": {k: round(v, 5) for k, v in rel.items()},
             "ideal_rel_ppl": {k: round(v, 5) for k, v in ideal.items()},
             "ppl": {k: round(v, 4) for k, v in ppl.items()},

@@ -123,6 +123,7 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
         "resync_every_steps": cfg.resync_every,
         "redundancy": cfg.redundancy,
         "parity_group": cfg.parity_group,
+        "stale_step": cfg.stale_step,
     }
     if cfg.chunk_bytes is not None:
         overrides["chunk_bytes"] = cfg.chunk_bytes

@@ -64,6 +64,7 @@ class DemoConfig:
     resync_every: int = 100
     redundancy: int = 1  # Config.redundancy: copies of every data packet
     parity_group: int = 0  # Config.parity_group: one XOR parity packet per this many
+    stale_step: bool = True  # Config.stale_step: estimate lost parameter broadcasts
     timeout_s: float = 2.0  # per collective: 30x a loaded round on loopback; caps stalls
     corpus_bytes: int = 4_000_000
     split: str = "shuffled"  # how the stream is shared out: see _demo_model.shard_stream
