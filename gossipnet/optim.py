@@ -6,7 +6,10 @@ reduce-scattered over the lossy transport; each peer steps the base
 optimizer only for the shard it owns (its optimizer state is sharded too)
 and broadcasts that shard's new parameters.  A peer that misses a
 broadcast packet keeps its own parameters for that chunk: never zeros, so
-the drift between replicas stays bounded (Weintraub et al. 2025).  Every
+the drift between replicas stays bounded (Weintraub et al. 2025).  By default
+(``Config.stale_step``) it also moves them by an estimate of the step it
+missed (``averaging/_stale_step.py``), still overwritten by the next broadcast
+that arrives: the gradient it takes there next is what lost broadcasts cost.  Every
 ``resync_every_steps`` rounds a resync round averages the parameters and
 repairs every lost chunk, so replicas become identical again; round 0 is a
 resync, which makes peers that started from different seeds consistent.
