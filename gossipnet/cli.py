@@ -103,6 +103,11 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="one XOR parity packet per K data packets: rebuilds one lost of K, 1/K more traffic",
     )
+    p.add_argument(
+        "--no-stale-step",
+        action="store_true",
+        help="lost parameter broadcasts keep their values (no estimated step)",
+    )
     p.add_argument("--compare", action="store_true", help="run lossless first, plot both")
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="output folder")
     p.add_argument("--no-progress", action="store_true", help="no live progress line")
@@ -118,6 +123,7 @@ def _demo_config(args: argparse.Namespace) -> Any:
         burst=args.burst,
         redundancy=args.redundancy,
         parity_group=args.parity,
+        stale_step=not args.no_stale_step,
         seed=args.seed,
         data_seed=args.data_seed,
         strategy=args.strategy,

@@ -65,3 +65,19 @@ def test_contiguous_split_is_one_slice_per_peer() -> None:
     assert torch.equal(shard_stream(stream, 2, cfg), torch.arange(50, 75))
     with pytest.raises(ValueError, match="split"):
         DemoConfig(split="random")
+
+
+def test_demo_command_line_reaches_the_demo_config() -> None:
+    """``gossipnet demo`` options land in DemoConfig (hence in the peers' Config)."""
+    import argparse
+
+    from gossipnet import cli
+
+    parser = argparse.ArgumentParser()
+    cli._configure_demo(parser)
+    default = cli._demo_config(parser.parse_args([]))
+    assert default.stale_step
+    assert default.parity_group == 0
+    cfg = cli._demo_config(parser.parse_args(["--no-stale-step", "--parity", "3"]))
+    assert not cfg.stale_step
+    assert cfg.parity_group == 3
