@@ -17,6 +17,8 @@ before.  ``Config.stale_step = False`` keeps the old values instead.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._round import Round
@@ -77,4 +79,7 @@ class StaleStep:
         if rnd.step_mag is None:
             return
         old = rnd.plans[b].view(rnd.dst[b], c)
-        rnd.step_mag[b][c] = float(torch.dist(values.to(old.dtype), old, p=1)) / max(1, old.numel())
+        # in float32: a half-precision sum over a chunk would overflow (65504)
+        moved = float(torch.dist(values.float(), old.float(), p=1)) / max(1, old.numel())
+        if math.isfinite(moved):  # else: no step known for it, as if never measured
+            rnd.step_mag[b][c] = moved

@@ -21,7 +21,8 @@ def one_round(
     stale: StaleStep, param: torch.Tensor, grad: torch.Tensor, arrive: dict[int, torch.Tensor]
 ) -> int:
     """One round on peer "a": chunks in ``arrive`` come in with those values."""
-    rnd = Round(0, "a", ("a", "b"), [grad], [param], 1.0, [CHUNK])
+    chunk = CHUNK // 4 * param.element_size()  # 16 elements, whatever the dtype
+    rnd = Round(0, "a", ("a", "b"), [grad], [param], 1.0, [chunk])
     rnd.step_mag = StaleStep.fresh(rnd)
     for c, values in arrive.items():
         StaleStep.measure(rnd, 0, c, values)
@@ -69,3 +70,14 @@ def test_a_new_chunk_layout_forgets_the_measured_steps() -> None:
     rnd.step_mag = StaleStep.fresh(rnd)
     assert stale.apply(rnd) == 0
     assert torch.equal(other, torch.zeros(2 * N))
+
+
+def test_half_precision_steps_are_measured_without_overflow() -> None:
+    """A float16 chunk's |step| sum is far past 65504: measured in float32."""
+    stale = StaleStep()
+    param = torch.zeros(N, dtype=torch.float16)
+    grad = torch.ones(N, dtype=torch.float16)
+    big = torch.full((16,), 5000.0, dtype=torch.float16)  # sum of |step| 80000
+    one_round(stale, param, grad, {2: big, 3: big})
+    assert one_round(stale, param, grad, {3: big * 2}) == 1
+    assert torch.equal(param[32:48], torch.zeros(16, dtype=torch.float16))  # 5000 - 5000
