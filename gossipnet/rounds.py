@@ -38,7 +38,9 @@ class CollectiveReport:
         extra: method-specific figures; the all-reduce's: ``late`` (packets that
             came after their phase), ``copies_sent`` (``redundancy``),
             ``parity_sent`` and ``recovered`` (``parity_group``: chunks rebuilt
-            from parity, which ``packets_lost`` still counts as lost on the wire).
+            from parity, which ``packets_lost`` still counts as lost on the wire),
+            ``estimated`` (``net.optimizer`` with ``Config.stale_step``: stale
+            parameter chunks moved by an estimated step; still in ``chunks_stale``).
     """
 
     round: RoundId = 0

@@ -69,8 +69,9 @@ def members(first: int, nchunks: int, k: int, g: int) -> range:
     return range(first + g, first + nchunks, group_count(nchunks, k))
 
 
-def group_length(nchunks: int, k: int, g: int, chunk_bytes: int, last_bytes: int) -> int:
-    """Bytes of group ``g``'s parity: its longest member (only the last chunk is short)."""
+def group_length(nchunks: int, g: int, chunk_bytes: int, last_bytes: int) -> int:
+    """Bytes of group ``g``'s parity: its longest member.  Only the last chunk is
+    short, and it is a group's longest member only when alone in it (g = n - 1)."""
     return last_bytes if g == nchunks - 1 else chunk_bytes
 
 
@@ -115,7 +116,7 @@ def parities(
     last = total - (n - 1) * chunk_bytes
     view = out.data.cast("B").toreadonly()
     return [
-        view[g * chunk_bytes : g * chunk_bytes + group_length(n, k, g, chunk_bytes, last)]
+        view[g * chunk_bytes : g * chunk_bytes + group_length(n, g, chunk_bytes, last)]
         for g in range(groups)
     ]
 
@@ -197,7 +198,7 @@ def on_parity(
         return
     last = plan.chunk(chunks.stop - 1)[1] * plan.itemsize
     if not 0 <= g < group_count(n, k) or len(pkt.payload) != group_length(
-        n, k, g, plan.chunk_elems * plan.itemsize, last
+        n, g, plan.chunk_elems * plan.itemsize, last
     ):
         engine.dropped["bad_parity"] += 1
         return

@@ -163,7 +163,7 @@ class Round:
                 in_place
                 and weight > 0
                 and acc_dtype == buf.dtype
-                and own.data_ptr() == (self.dst[b].narrow(0, span.start, len(span)).data_ptr())
+                and buf.data_ptr() == (self.dst[b].data_ptr())
             ):
                 # ``dst`` is ``src`` and no one reads our own shard of it before the
                 # average lands there: accumulate in place, no copy in or out
@@ -198,12 +198,12 @@ class Round:
         # XOR parity (._parity): our group size this round (0 = none), the payloads of
         # streams that announce parity (kept to recover a group's one lost member)
         self.fec_k = 0
-        # per bucket, the mean step of each chunk that arrived (NaN: not measured);
-        # only while an optimizer estimates missed steps (._stale_step)
-        self.step_mag: list[torch.Tensor] | None = None
         self.fec_held: dict[tuple[str, int, int], memoryview] = {}
         self.parity_sent = 0
         self.recovered = 0
+        # per bucket, the mean step of each chunk that arrived (NaN: not measured);
+        # only while an optimizer estimates missed steps (._stale_step)
+        self.step_mag: list[torch.Tensor] | None = None
         # what a sender that shares our view sends us; receiving all of it completes
         # that sender even if all its END copies were lost
         self.expect_rs = sum(len(o) for o in self.owned)

@@ -75,9 +75,9 @@ class StaleStep:
 
     @staticmethod
     def measure(rnd: Round, b: int, c: int, values: torch.Tensor) -> None:
-        """Record the step chunk ``c`` of bucket ``b`` takes (before it is written)."""
-        if rnd.step_mag is None:
-            return
+        """Record the step chunk ``c`` of bucket ``b`` takes (before it is written);
+        ``rnd.step_mag`` must be set (:meth:`fresh`)."""
+        assert rnd.step_mag is not None
         old = rnd.plans[b].view(rnd.dst[b], c)
         # in float32: a half-precision sum over a chunk would overflow (65504)
         moved = float(torch.dist(values.float(), old.float(), p=1)) / max(1, old.numel())

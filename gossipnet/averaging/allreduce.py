@@ -193,7 +193,7 @@ class LossyAllReduce:
         mode: int,
         repair: bool,
         redundancy: int | None,
-        stale_step: StaleStep | None = None,
+        stale_step: StaleStep | None,
     ) -> CollectiveReport:
         node, clock = self.node, self.node.clock
         t0 = clock.now()
@@ -214,10 +214,9 @@ class LossyAllReduce:
             if repair:
                 rnd.repaired = True  # its repair answers arrive after ENDs by design
                 ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
-            estimated = stale_step.apply(rnd) if stale_step is not None else 0
             report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
-            if stale_step is not None:
-                report.extra["estimated"] = float(estimated)
+            if stale_step is not None:  # chunks_stale still counts them: not delivered
+                report.extra["estimated"] = float(stale_step.apply(rnd))
             self._note_loss(report)
             return report
         finally:

@@ -80,7 +80,7 @@ def _broadcast_bytes(rnd: Round, shard: OwnedShard, value: torch.Tensor) -> memo
     b = shard.bucket
     out = rnd.dst[b].narrow(0, shard.start, value.numel())
     in_dst = value.numel() > 0 and value.data_ptr() == out.data_ptr()
-    if not in_dst or value.dtype != out.dtype:
+    if not in_dst:
         out.copy_(value)  # cast to the bucket dtype
     if value is shard.average and value.dtype == out.dtype and not in_dst:
         private = value

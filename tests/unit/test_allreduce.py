@@ -906,9 +906,9 @@ def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
 def test_an_in_place_broadcast_survives_the_caller_overwriting_its_input(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
 ) -> None:
-    """The bytes an in-place round broadcast (and serves repairs from) are not
-    the input: a caller that overwrites its tensor right after the call returns
-    must not change packets still queued to a slower peer."""
+    """The bytes an in-place round broadcasts are not the input: a caller that
+    overwrites its tensor right after the call returns must not change packets
+    still queued to a slower peer."""
 
     async def main() -> None:
         clock = FakeClock()

@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from gossipnet import CollectiveReport, Config, ConfigError, FakeClock, FaultPlan
-from gossipnet._node import Node
 from gossipnet.averaging._parity import group_count, members, parities, recover
 from gossipnet.averaging.allreduce import LossyAllReduce
 from gossipnet.averaging.chunks import ChunkPlan, ShardMap
 from gossipnet.clock import Clock
 from gossipnet.transport.wire import Kind, Packet
+
+from .test_allreduce import lose_on_arrival
 
 N = 4
 CHUNK_BYTES = 1024
@@ -40,16 +41,6 @@ async def allreduce(
 ) -> list[CollectiveReport]:
     runs = [e.run([x], timeout_s=1.0) for e, x in zip(engines, inputs, strict=True)]
     return list(await drive(clock, asyncio.gather(*runs), timeout_s=6.0))
-
-
-def lose_on_arrival(node: Node, lost: Callable[[Packet], bool]) -> None:
-    decode = node.codec.decode
-
-    def lossy_decode(frames: Any) -> Packet | None:
-        pkt = decode(frames)
-        return None if pkt is not None and lost(pkt) else pkt
-
-    node.codec.decode = lossy_decode  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------ layout and XOR
