@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, when import
 from _common import bench_parser, emit_json
 
 from gossipnet._demo import (
+    SPLITS,
     CharLM,
     DemoConfig,
     DemoResult,
@@ -146,7 +147,8 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     size = theta.shape[1]
     elems = (cfg.chunk_bytes or 65536) // 4
     nchunks = math.ceil(size / elems)
-    owner = (torch.arange(nchunks) * n // nchunks).repeat_interleave(elems)[:size]
+    chunk_owner = torch.arange(nchunks) * n // nchunks  # contiguous ranges, as ShardMap
+    owner = chunk_owner.repeat_interleave(elems)[:size]
     own = torch.arange(n)[:, None] == owner[None, :]  # replica r owns element e
     m, v = torch.zeros(size), torch.zeros(size)
     drops = torch.Generator().manual_seed(cfg.seed)
@@ -158,7 +160,6 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     rs_lost = lost if phases in ("both", "rs") else 0.0
     ag_lost = lost if phases in ("both", "ag") else 0.0
 
-    chunk_owner = torch.arange(nchunks) * n // nchunks
     groups = [  # parity groups: interleaved within each owner's range, as _parity lays out
         list(members(int(first), int(count), cfg.parity_group, g))
         for first, count in zip(*_ranges(chunk_owner), strict=True)
@@ -223,8 +224,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--split",
-        choices=("shuffled", "contiguous"),
-        default="shuffled",
+        choices=SPLITS,
+        default=DemoConfig().split,
         help="how the text is shared out: shuffled blocks (IID, default) or one slice per peer",
     )
     parser.add_argument("--strategy", choices=("allreduce", "grads"), default="allreduce")

@@ -51,7 +51,7 @@ def register_command(
 
 # ---------------------------------------------------------------------- demo
 def _configure_demo(p: argparse.ArgumentParser) -> None:
-    from ._demo import DemoConfig
+    from ._demo import SPLITS, DemoConfig
 
     d = DemoConfig()
     p.add_argument("--peers", type=int, default=d.peers, help="local peer processes")
@@ -75,7 +75,7 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--split",
-        choices=("shuffled", "contiguous"),
+        choices=SPLITS,
         default=d.split,
         help="shuffled: every peer gets random blocks of the whole text (IID, as "
         "DistributedSampler); contiguous: one slice of the files each (non-IID)",
