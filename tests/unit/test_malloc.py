@@ -8,7 +8,6 @@ import sys
 import pytest
 
 CHECK = """
-import sys
 from gossipnet import _malloc
 first = _malloc.tune_malloc()
 print(first, _malloc.tune_malloc() == first)
@@ -40,8 +39,18 @@ def test_applied_once_on_glibc_and_never_over_the_users_choice() -> None:
     assert run({"MALLOC_MMAP_THRESHOLD_": "131072"}) == "False True"
 
 
-def test_the_switch_is_a_config_field() -> None:
-    from gossipnet import Config
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tune", [True, False])
+def test_join_tunes_malloc_only_when_config_says_so(
+    tune: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gossipnet
+    from gossipnet import _peer_core
 
-    assert Config().tune_malloc is True
-    assert Config(tune_malloc=False).tune_malloc is False
+    calls: list[bool] = []
+    monkeypatch.setattr(_peer_core, "tune_malloc", lambda: calls.append(True) or True)
+    peer = gossipnet.join(peers=[], listen="tcp://127.0.0.1:0", tune_malloc=tune)
+    try:
+        assert calls == ([True] if tune else [])
+    finally:
+        peer.leave()
