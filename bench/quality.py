@@ -14,10 +14,12 @@ Rows: random (Bernoulli) loss 0, 1, 5, 10, 20, 30%, one bursty plan
 (Gilbert-Elliott, 10% mean loss in bursts of 8 packets on average), and 10%
 and 20% with ``Config.redundancy=2`` (``r2``: every data packet sent twice,
 the copy trailing by a few hundred packets; no retransmission, no waiting,
-twice the data traffic), which turns a loss rate p into about p^2, and 10% and
-20% with ``Config.parity_group=3`` (``p3``: one XOR parity packet per 3 data
-packets rebuilds one lost packet of its group; a third more traffic; p becomes
-about p * (1 - (1 - p)^3), 2.7% at 10%).
+twice the data traffic), which turns a loss rate p into about p^2.  Every row
+uses the library's defaults otherwise, XOR parity included: while loss is seen
+the optimizer's rounds send one parity packet per group of 4 to 7 data packets
+of a stream (``Config.parity_for``), which rebuilds one lost packet of its
+group.  ``p0`` rows (10% and 20%) turn parity off, to show what it buys; ``p3``
+sets ``Config.parity_group=3``.
 ``late`` (``0.1late``): 10% loss in the last third of the steps only, the earlier
 steps loss-free: what loss costs late in training, closer to the paper's setting
 (fine-tuning a trained model) than loss from the first step.
@@ -31,7 +33,7 @@ arrived, each replica receives the new chunk with probability 1-p or keeps its
 stale value).  It separates what loss costs *by design* from what the
 implementation adds: the networked ``rel_ppl`` should match ``ideal``.
 
-    .venv/bin/python bench/quality.py --quick      # 0, 10% (plain, r2, p3, late), 3 peers, 45 s
+    .venv/bin/python bench/quality.py --quick      # 0, 10% (plain, p0, r2, late), 3 peers, 45 s
     .venv/bin/python bench/quality.py              # all rates, 4 peers, ~5 min on 2 cores
     .venv/bin/python bench/quality.py --ideal      # + the in-process reference, ~10 min
     .venv/bin/python bench/quality.py --ideal-only --seeds 4 --plans 0.1   # reference only
@@ -73,43 +75,55 @@ from gossipnet._demo import (
     shard_stream,
 )
 from gossipnet.averaging._parity import group_count, members
+from gossipnet.config import Config
 
 #: (mean loss rate, mean burst length in packets or None, copies of each data packet,
-#: loss only in the last third of the steps, parity group size or 0)
-Plan = tuple[float, float | None, int, bool, int]
+#: loss only in the last third of the steps, parity group size: None for the
+#: library's default, 0 for none)
+Plan = tuple[float, float | None, int, bool, int | None]
 FULL_PLANS: tuple[Plan, ...] = (
-    (0.0, None, 1, False, 0),
-    (0.01, None, 1, False, 0),
-    (0.05, None, 1, False, 0),
+    (0.0, None, 1, False, None),
+    (0.01, None, 1, False, None),
+    (0.05, None, 1, False, None),
+    (0.1, None, 1, False, None),
+    (0.2, None, 1, False, None),
+    (0.3, None, 1, False, None),
+    (0.1, 8.0, 1, False, None),
+    (0.1, None, 2, False, None),
+    (0.2, None, 2, False, None),
     (0.1, None, 1, False, 0),
     (0.2, None, 1, False, 0),
-    (0.3, None, 1, False, 0),
-    (0.1, 8.0, 1, False, 0),
-    (0.1, None, 2, False, 0),
-    (0.2, None, 2, False, 0),
-    (0.1, None, 1, False, 3),
-    (0.2, None, 1, False, 3),
-    (0.1, None, 1, True, 0),
+    (0.1, None, 1, True, None),
 )
 QUICK_PLANS: tuple[Plan, ...] = (
-    (0.0, None, 1, False, 0),
+    (0.0, None, 1, False, None),
+    (0.1, None, 1, False, None),
     (0.1, None, 1, False, 0),
-    (0.1, None, 2, False, 0),
+    (0.1, None, 2, False, None),
+    (0.1, None, 1, True, None),
+)
+EXTRA_PLANS: tuple[Plan, ...] = (  # by --plans only
     (0.1, None, 1, False, 3),
-    (0.1, None, 1, True, 0),
+    (0.2, None, 1, False, 3),
+    (0.1, None, 1, False, 8),
 )
 TARGET_REL_PPL_AT_10 = 1.01  # the paper's headline: <= 0.8% at 10% loss (LLaMA-2 7B)
 
 
 def key(
-    loss: float, burst: float | None, copies: int = 1, late: bool = False, parity: int = 0
+    loss: float,
+    burst: float | None,
+    copies: int = 1,
+    late: bool = False,
+    parity: int | None = None,
 ) -> str:
     """The JSON key of a plan: ``"0.1"``, ``"0.1x8"`` for bursts of 8 packets,
     ``"0.1r2"`` with two copies of every data packet (``Config.redundancy=2``),
     ``"0.1p3"`` with one XOR parity packet per 3 (``Config.parity_group=3``),
-    ``"0.1late"`` with loss only in the last third of the steps."""
+    ``"0.1p0"`` without parity, ``"0.1late"`` with loss only in the last third
+    of the steps."""
     text = f"{loss:g}" if burst is None else f"{loss:g}x{burst:g}"
-    text += (f"r{copies}" if copies > 1 else "") + (f"p{parity}" if parity else "")
+    text += (f"r{copies}" if copies > 1 else "") + (f"p{parity}" if parity is not None else "")
     return text + ("late" if late else "")
 
 
@@ -160,10 +174,11 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     rs_lost = lost if phases in ("both", "rs") else 0.0
     ag_lost = lost if phases in ("both", "ag") else 0.0
 
+    parity = Config(parity_group=cfg.parity_group).parity_for(optimizer=True)
     groups = [  # parity groups: interleaved within each owner's range, as _parity lays out
-        list(members(int(first), int(count), cfg.parity_group, g))
+        list(members(int(first), int(count), parity, g))
         for first, count in zip(*_ranges(chunk_owner), strict=True)
-        for g in range(group_count(int(count), cfg.parity_group) if cfg.parity_group else 0)
+        for g in range(group_count(int(count), parity) if parity else 0)
     ]
 
     def arrived(p: float) -> torch.Tensor:  # per (replica, element): its chunk arrived
@@ -255,7 +270,7 @@ def main() -> None:
     args = parser.parse_args()
     plans = QUICK_PLANS if args.quick else FULL_PLANS
     if args.plans:
-        known = {key(*p): p for p in FULL_PLANS + QUICK_PLANS}
+        known = {key(*p): p for p in FULL_PLANS + QUICK_PLANS + EXTRA_PLANS}
         unknown = sorted(set(args.plans) - set(known))
         if unknown:
             parser.error(f"unknown plan(s) {unknown}; known: {sorted(known)}")

@@ -63,7 +63,9 @@ class DemoConfig:
     chunk_bytes: int | None = 16384
     resync_every: int = 100
     redundancy: int = 1  # Config.redundancy: copies of every data packet
-    parity_group: int = 0  # Config.parity_group: one XOR parity packet per this many
+    # Config.parity_group: one XOR parity packet per this many (None: the library's
+    # default, parity in the optimizer's rounds while loss is seen; 0: none)
+    parity_group: int | None = None
     stale_step: bool = True  # Config.stale_step: estimate lost parameter broadcasts
     timeout_s: float = 2.0  # per collective: 30x a loaded round on loopback; caps stalls
     corpus_bytes: int = 4_000_000
@@ -85,7 +87,7 @@ class DemoConfig:
             raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        if not 0 <= self.parity_group <= 64:
+        if self.parity_group is not None and not 0 <= self.parity_group <= 64:
             raise ValueError(f"parity_group must be in [0, 64], got {self.parity_group}")
         if not 1 <= self.redundancy <= 8:
             raise ValueError(f"redundancy must be in [1, 8], got {self.redundancy}")
@@ -115,7 +117,10 @@ class DemoConfig:
         text = f"loss={self.loss:.0%}" if self.loss else "lossless"
         text += f" burst={self.burst:g}" if self.burst and self.loss else ""
         text += f" from step {self.loss_from}" if self.loss_from and self.loss else ""
-        text += f" parity 1/{self.parity_group}" if self.parity_group else ""
+        if self.parity_group:
+            text += f" parity 1/{self.parity_group}"
+        elif self.parity_group == 0 and self.loss:
+            text += " no parity"
         return text + (f" x{self.redundancy} copies" if self.redundancy > 1 else "")
 
 

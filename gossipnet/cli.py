@@ -101,7 +101,8 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
         type=int,
         default=d.parity_group,
         metavar="K",
-        help="one XOR parity packet per K data packets: rebuilds one lost of K, 1/K more traffic",
+        help="one XOR parity packet per K data packets: rebuilds one lost of K, 1/K more"
+        " traffic (default: the library's, 4 in the optimizer's rounds; 0: none)",
     )
     p.add_argument(
         "--no-stale-step",
@@ -261,7 +262,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     configs = [lossy]
     if args.compare:  # both runs on one set of processes: half the start-up
         configs.insert(
-            0, dataclasses.replace(lossy, loss=0.0, burst=None, redundancy=1, parity_group=0)
+            0, dataclasses.replace(lossy, loss=0.0, burst=None, redundancy=1, parity_group=None)
         )
     bars = [_Progress(c.label(), c.steps, c.peers) for c in configs]
 

@@ -9,10 +9,14 @@ broadcast packet keeps its own parameters for that chunk: never zeros, so
 the drift between replicas stays bounded (Weintraub et al. 2025).  By default
 (``Config.stale_step``) it also moves them by an estimate of the step it
 missed (``averaging/_stale_step.py``), still overwritten by the next broadcast
-that arrives: the gradient it takes there next is what lost broadcasts cost.  Every
-``resync_every_steps`` rounds a resync round averages the parameters and
-repairs every lost chunk, so replicas become identical again; round 0 is a
-resync, which makes peers that started from different seeds consistent.
+that arrives: the gradient it takes there next is what lost broadcasts cost.
+While loss is seen its rounds send XOR parity packets (``Config.parity_for``):
+one per group of 4 to 7 packets rebuilds one lost packet of the group, so at 10%
+loss about 4-5% of chunks stay lost instead of 10%, for at most a quarter more
+traffic.  Every ``resync_every_steps`` rounds a resync round averages the
+parameters and repairs every lost chunk, so replicas become identical again;
+round 0 is a resync, which makes peers that started from different seeds
+consistent.
 
 Why rebuild the base optimizer per shard: torch optimizers step whole
 tensors; a shard is a view of the flat parameter bucket, so a new optimizer
@@ -252,6 +256,7 @@ class GossipOptimizer:
             on_reduced=on_reduced,
             mode=MODE_GRADS,
             stale_step=self._stale_step,
+            parity_group=self.peer.config.parity_for(optimizer=True),
         )
 
     def _step_shards(

@@ -21,7 +21,7 @@ import torch
 
 from ..transport.wire import DTYPE_CODES, Packet
 from ._packets import COPY_LAG, YIELD_EVERY, Send, chunk_of, send_copies, send_copy
-from ._parity import on_parity, send_parity
+from ._parity import group_count, on_parity, send_parity
 from ._round import OwnedShard, Round
 from .chunks import as_bytes
 
@@ -45,12 +45,20 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
     # a peer we cut still sits in a queue; such a packet is useless to its owner by
     # then, and fails its MAC there (counted, never used) instead of arriving stale.
     raws = [as_bytes(buf).toreadonly() for buf in rnd.src]
+    # streams (owner, bucket) long enough for a parity group: only their payloads
+    # are worth keeping at the receiver
+    fec = {
+        (owner, b)
+        for b, smap in enumerate(rnd.maps)
+        for owner in smap.participants
+        if rnd.fec_k and group_count(len(smap.chunks_of(owner)), rnd.fec_k)
+    }
     for sent, (owner, b, c) in enumerate(rs_order(rnd), 1):
         plan = rnd.plans[b]
         raw, code = raws[b], codes[b]
         _, count = plan.chunk(c)
         fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "w": weight, "dt": code, "n": count}
-        if rnd.fec_k:
+        if (owner, b) in fec:
             fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
         frames = node.codec.encode(kind, fields, raw[plan.byte_slice(c)])
         rnd.sent += node.send_frames((owner,), frames)

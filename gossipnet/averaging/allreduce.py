@@ -31,7 +31,8 @@ times, the copies trailing the originals by a few hundred packets, so a chunk
 is lost only if all copies are (about p^k under random loss).  It is
 proactive, never a retransmission: no one waits, the traffic is k-fold.
 Parity (``Config.parity_group`` = k > 0, :mod:`._parity`): one XOR packet per
-k data packets recovers any one lost packet of its group, at 1/k the traffic.
+k data packets recovers any one lost packet of its group, at 1/k the traffic;
+the lossy optimizer turns it on by default (``Config.parity_for``).
 
 Rounds: peers call collectives in lockstep; round ``r`` is the larger of
 our own next round and the highest one any peer announced (data packets,
@@ -65,6 +66,7 @@ from ._cut import ReorderWindow, wait_phase
 from ._loss_watch import END_COPIES as END_COPIES
 from ._loss_watch import LossWatch
 from ._packets import ALLREDUCE_KINDS, MOSHPIT_KINDS, EngineKinds
+from ._parity import MAX_GROUP
 from ._round import BufferPool, OwnedShard, Round
 from ._scatter import announce_rs_end, finish_rs, on_rs, send_rs
 from ._stale_step import StaleStep
@@ -130,6 +132,7 @@ class LossyAllReduce:
         repair: bool = False,
         redundancy: int | None = None,
         stale_step: StaleStep | None = None,
+        parity_group: int | None = None,
     ) -> CollectiveReport:
         """One round: reduce-scatter ``src``, then all-gather into ``dst`` (default ``src``).
 
@@ -154,12 +157,18 @@ class LossyAllReduce:
             stale_step: estimate the chunks of ``dst`` whose broadcast was lost
                 (an optimizer's parameters, ``src`` its gradient) instead of keeping
                 them: see :mod:`._stale_step`; the report's ``extra["estimated"]``.
+            parity_group: XOR parity group size while loss is seen (default
+                ``Config.parity_for(optimizer=False)``); 0 for none.
 
         Returns:
             The :class:`CollectiveReport` of the round; network faults never raise.
         """
         if redundancy is not None and not (isinstance(redundancy, int) and redundancy >= 1):
             raise ValueError(f"redundancy must be an int >= 1, got {redundancy!r}")
+        if parity_group is not None and not (
+            isinstance(parity_group, int) and 0 <= parity_group <= MAX_GROUP
+        ):
+            raise ValueError(f"parity_group must be an int in [0, {MAX_GROUP}], got {parity_group}")
         if weight < 0 or weight != weight:
             raise ValueError(f"weight must be a finite number >= 0, got {weight}")
         for b in src:
@@ -179,6 +188,7 @@ class LossyAllReduce:
                 repair,
                 redundancy,
                 stale_step,
+                parity_group,
             )
 
     # ------------------------------------------------------------------ the round
@@ -194,11 +204,17 @@ class LossyAllReduce:
         repair: bool,
         redundancy: int | None,
         stale_step: StaleStep | None,
+        parity_group: int | None,
     ) -> CollectiveReport:
         node, clock = self.node, self.node.clock
         t0 = clock.now()
         deadline = t0 + timeout_s
         rnd = self._start_round(src, dst, weight, participants, mode, redundancy, not repair)
+        if parity_group is None:
+            parity_group = node.config.parity_for(optimizer=False)
+        rnd.fec_k = self.loss.parity_group(
+            self._others(rnd), parity_group, node.config.parity_always
+        )
         if stale_step is not None:
             rnd.step_mag = StaleStep.fresh(rnd)
         try:
@@ -249,7 +265,6 @@ class LossyAllReduce:
             node.config.redundancy if redundancy is None else redundancy, self._pool,
             in_place,
         )  # fmt: skip
-        rnd.fec_k = self._parity_group(rnd)
         self._round = rnd
         self.next_round = r + 1
         node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it
@@ -296,11 +311,6 @@ class LossyAllReduce:
     def _end_copies(self, rnd: Round) -> int:
         """END copies for this round (``_loss_watch.LossWatch.end_copies``)."""
         return self.loss.end_copies(self._others(rnd), rnd.redundancy)
-
-    def _parity_group(self, rnd: Round) -> int:
-        """This round's parity group size (``Config.parity_group``), 0 for none."""
-        cfg = self.node.config
-        return self.loss.parity_group(self._others(rnd), cfg.parity_group, cfg.parity_always)
 
     def _chunk_sizes(self, src: Sequence[torch.Tensor], participants: int) -> list[int]:
         """Per bucket: ``Config.chunk_bytes`` if set, else grown with the bucket,

@@ -46,22 +46,30 @@ async def allreduce(
 # ------------------------------------------------------------------ layout and XOR
 @pytest.mark.parametrize(
     ("total", "chunk", "k"),
-    [(1000, 64, 3), (64 * 7 + 8, 64, 4), (64, 64, 4), (30, 64, 4), (640, 64, 1), (317, 64, 8)],
+    [(1000, 64, 3), (64 * 7 + 8, 64, 4), (64 * 9 - 8, 64, 4), (640, 64, 1), (64 * 15 + 1, 64, 8)],
 )
 def test_any_one_member_of_any_group_is_rebuilt_bit_exactly(total: int, chunk: int, k: int) -> None:
     raw = os.urandom(total)
     n = -(-total // chunk)
     chunks = [raw[i * chunk : (i + 1) * chunk] for i in range(n)]
     par = parities(raw, chunk, k)
-    assert len(par) == group_count(n, k)
+    assert len(par) == group_count(n, k) == n // k
     covered = sorted(c for g in range(len(par)) for c in members(0, n, k, g))
     assert covered == list(range(n))  # every chunk in exactly one group
     for g, p in enumerate(par):
         group = list(members(0, n, k, g))
-        assert len(group) <= k
+        assert k <= len(group) < 2 * k  # so parity costs at most 1/k of the traffic
         for lost in group:
             rest = [chunks[c] for c in group if c != lost]
             assert bytes(recover(p, rest, len(chunks[lost]))) == chunks[lost]
+
+
+@pytest.mark.parametrize(("total", "k"), [(64, 4), (30, 4), (64 * 7, 8)])
+def test_a_stream_shorter_than_one_group_gets_no_parity(total: int, k: int) -> None:
+    # one "group" of fewer than k chunks would cost more than 1/k: a full copy at n = 1
+    n = -(-total // 64)
+    assert group_count(n, k) == 0
+    assert parities(os.urandom(total), 64, k) == []
 
 
 def test_neighbouring_chunks_fall_in_different_groups() -> None:

@@ -77,7 +77,7 @@ def test_demo_command_line_reaches_the_demo_config() -> None:
     cli._configure_demo(parser)
     default = cli._demo_config(parser.parse_args([]))
     assert default.stale_step
-    assert default.parity_group == 0
+    assert default.parity_group is None  # the library decides: parity in optimizer rounds
     cfg = cli._demo_config(parser.parse_args(["--no-stale-step", "--parity", "3"]))
     assert not cfg.stale_step
     assert cfg.parity_group == 3

@@ -178,6 +178,45 @@ def test_lost_parameter_broadcasts_take_an_estimated_step(stale_step: bool) -> N
         assert not any(seen for _, seen in out), out
 
 
+@pytest.mark.parametrize("parity_group", [None, 0], ids=["default", "off"])
+def test_optimizer_rounds_send_parity_under_loss_by_default(parity_group: int | None) -> None:
+    """Config.parity_group=None: the optimizer's rounds send XOR parity while loss is
+    seen and rebuild lost chunks with it; a plain all_reduce on the same network sends
+    none; parity_group=0 turns it off for the optimizer too."""
+    n_params = 3 * 8 * 256  # 1 KiB chunks: 8 per owner, two parity groups of 4 per stream
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[float, float, float]:
+        p = torch.nn.Parameter(torch.zeros(n_params))
+        opt = peer.optimizer(torch.optim.SGD([p], lr=0.1), resync_every_steps=0)
+        gen = torch.Generator().manual_seed(3000 + rank)
+        sent = recovered = 0.0
+        for _ in range(20):
+            p.grad = torch.randn(n_params, generator=gen)
+            rep = opt.step()
+            sent += rep.extra["parity_sent"]
+            recovered += rep.extra["recovered"]
+        plain = sum(
+            peer.all_reduce([torch.ones(n_params)], timeout=2.0).extra["parity_sent"]
+            for _ in range(5)
+        )
+        return sent, recovered, plain
+
+    out = run_peers(
+        3,
+        body,
+        faults=gossipnet.FaultPlan(loss=0.2, seed=13),
+        collective_timeout_s=2.0,
+        chunk_bytes=1024,
+        parity_group=parity_group,
+    )
+    assert all(plain == 0 for _, _, plain in out), out
+    if parity_group is None:
+        assert all(sent > 0 for sent, _, _ in out), out
+        assert sum(rec for _, rec, _ in out) > 0, out  # some lost chunk came back
+    else:
+        assert all(sent == 0 and rec == 0 for sent, rec, _ in out), out
+
+
 def test_drift_bounded_under_loss_and_zero_after_resync() -> None:
     """1000 steps at 10% loss: the replica gap does not grow with t; resync zeroes it."""
     steps, n_params = 1000, 4096
