@@ -144,7 +144,9 @@ def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     of ``cfg.chunk_bytes`` are owned in contiguous ranges; drops are Bernoulli
     ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.  A missed
     parameter chunk takes the estimated step of ``Config.stale_step`` when
-    ``cfg.stale_step`` (the default), else stays stale.
+    ``cfg.stale_step`` (the default), else stays stale.  XOR parity groups as
+    the optimizer lays them out (``Config.parity_for``; ``cfg.parity_group``)
+    rebuild a group's one lost chunk when its parity arrived.
     ``phases``: where packets are lost: ``"both"``, ``"rs"`` (gradients only) or
     ``"ag"`` (parameter broadcasts only), to see which costs what.  Steps before
     ``cfg.loss_from`` (the ``late`` plans) are loss-free.
