@@ -351,6 +351,28 @@ def ideal_only(args: Any, base: DemoConfig, cfgs: list[DemoConfig]) -> None:
     )
 
 
+def standard_error(values: list[float]) -> float | None:
+    """Standard error of the mean over seeds (None for one seed: no spread known)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
+def verdict(rel: float, se: float | None) -> str:
+    """``rel`` against the target, saying when the seeds cannot tell.
+
+    Why: one run's final perplexity moves by 1-2% with the loss pattern alone
+    (the same seeds, another run), more than the 1% the target allows, so a
+    single seed can read "NOT met" where ten give 1.002 (and the reverse).
+    """
+    met = "met" if rel <= TARGET_REL_PPL_AT_10 else "NOT met"
+    text = f"{rel:.4f}, target <= {TARGET_REL_PPL_AT_10}: {met}"
+    if se is None:
+        return text + " (one seed: inconclusive, a run moves by 1-2%; use --seeds 10)"
+    text = f"{rel:.4f} +- {se:.4f} (standard error),{text.partition(',')[2]}"
+    if abs(rel - TARGET_REL_PPL_AT_10) < 2 * se:
+        text += " (inconclusive: within two standard errors of the target)"
+    return text
+
+
 def report(
     args: object,
     base: DemoConfig,
@@ -366,26 +388,25 @@ def report(
             k: scale * statistics.fmean(getattr(r, attr) for r in rs) for k, rs in by_plan.items()
         }
 
-    rel = {  # paired by data seed: each lossy run against the lossless run of its seed
-        k: statistics.fmean(
-            r.final_ppl / ref.final_ppl for r, ref in zip(rs, lossless, strict=True)
-        )
+    per_seed = {  # paired by data seed: each lossy run against the lossless run of its seed
+        k: [r.final_ppl / ref.final_ppl for r, ref in zip(rs, lossless, strict=True)]
         for k, rs in by_plan.items()
     }
+    rel = {k: statistics.fmean(v) for k, v in per_seed.items()}
+    sem = {k: standard_error(v) for k, v in per_seed.items()}
     lost, loss, ppl = mean("lost_fraction", 100), mean("final_eval_loss"), mean("final_ppl")
     secs = mean("wall_s")
-    print(f"\n{'plan':>6} {'lost %':>7} {'eval loss':>10} {'ppl':>8} {'rel_ppl':>8} "
-          f"{'ideal':>7} {'s/run':>6}")  # fmt: skip
+    print(f"\n{'plan':>7} {'lost %':>7} {'eval loss':>10} {'ppl':>8} {'rel_ppl':>8} "
+          f"{'+-se':>7} {'ideal':>7} {'s/run':>6}")  # fmt: skip
     for k in by_plan:
         ref = f"{ideal[k]:7.4f}" if k in ideal else "      -"
-        print(f"{k:>6} {lost[k]:7.2f} {loss[k]:10.4f} {ppl[k]:8.3f} {rel[k]:8.4f} {ref} "
+        err = f"{sem[k]:7.4f}" if sem[k] is not None else "      -"
+        print(f"{k:>7} {lost[k]:7.2f} {loss[k]:10.4f} {ppl[k]:8.3f} {rel[k]:8.4f} {err} {ref} "
               f"{secs[k]:6.1f}")  # fmt: skip
     print()
     for k in (key(0.1, None), key(0.1, None, 2), key(0.1, None, 1, True)):
         if k in rel:
-            verdict = "met" if rel[k] <= TARGET_REL_PPL_AT_10 else "NOT met"
-            print(f"rel_ppl at 10% loss ({k}): {rel[k]:.4f}, target <= "
-                  f"{TARGET_REL_PPL_AT_10}: {verdict}")  # fmt: skip
+            print(f"rel_ppl at 10% loss ({k}): {verdict(rel[k], sem[k])}")
     print(f"total {wall:.1f} s", flush=True)
     emit_json(
         {
@@ -397,6 +418,8 @@ def report(
             "strategy": base.strategy,
             "stale_step": base.stale_step,
             "rel_ppl": {k: round(v, 5) for k, v in rel.items()},
+            "rel_ppl_se": {k: round(v, 5) for k, v in sem.items() if v is not None},
+            "rel_ppl_per_seed": {k: [round(x, 5) for x in v] for k, v in per_seed.items()},
             "ideal_rel_ppl": {k: round(v, 5) for k, v in ideal.items()},
             "ppl": {k: round(v, 4) for k, v in ppl.items()},
             "eval_loss": {k: round(v, 5) for k, v in loss.items()},

@@ -28,6 +28,14 @@ def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any)
     return _run_peers(n, body, timeout_s=60, **{**FAST, **config})
 
 
+def run_lossy_trio(
+    body: Callable[[int, gossipnet.Peer], Any], seed: int, **config: Any
+) -> list[Any]:
+    """Three peers over 20% seeded random loss, 1 KiB chunks, 2 s collectives."""
+    faults = gossipnet.FaultPlan(loss=0.2, seed=seed)
+    return run_peers(3, body, faults=faults, collective_timeout_s=2.0, chunk_bytes=1024, **config)
+
+
 def flat_params(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in model.parameters()]).clone()
 
@@ -164,14 +172,7 @@ def test_lost_parameter_broadcasts_take_an_estimated_step(stale_step: bool) -> N
         assert bool(torch.isfinite(p).all())
         return estimated, seen
 
-    out = run_peers(
-        3,
-        body,
-        faults=gossipnet.FaultPlan(loss=0.2, seed=12),
-        collective_timeout_s=2.0,
-        chunk_bytes=1024,
-        stale_step=stale_step,
-    )
+    out = run_lossy_trio(body, seed=12, stale_step=stale_step)
     if stale_step:
         assert sum(e for e, _ in out) > 0, out
     else:
@@ -201,14 +202,7 @@ def test_optimizer_rounds_send_parity_under_loss_by_default(parity_group: int | 
         )
         return sent, recovered, plain
 
-    out = run_peers(
-        3,
-        body,
-        faults=gossipnet.FaultPlan(loss=0.2, seed=13),
-        collective_timeout_s=2.0,
-        chunk_bytes=1024,
-        parity_group=parity_group,
-    )
+    out = run_lossy_trio(body, seed=13, parity_group=parity_group)
     assert all(plain == 0 for _, _, plain in out), out
     if parity_group is None:
         assert all(sent > 0 for sent, _, _ in out), out
