@@ -79,11 +79,12 @@ class Config:
             heartbeats, our peers), so a clean network pays nothing; ``parity_always``
             sends it in every round.  ``None`` (the default): ``OPTIMIZER_PARITY_GROUP``
             (4) in the lossy optimizer's rounds, where what is lost costs model
-            quality (10% loss: 1.014x the lossless perplexity without, about 1.006x
-            with, ``bench/quality.py``), and none in ``net.all_reduce``, whose caller
-            gets the unbiased estimate with its report and pays for parity only by
-            choice (on 2 cores at 25M elements it costs a quarter more time while
-            loss lasts, ``bench/allreduce.py --parity 4``).
+            quality (10% loss, 10 seeds: 1.015x the lossless perplexity without,
+            1.002-1.004x with, ``bench/quality.py --seeds 10 --plans 0.1 0.1p0``),
+            and none in ``net.all_reduce``, whose caller gets the unbiased estimate
+            with its report and pays for parity only by choice (on 2 cores at 25M
+            elements it costs a fifth more time while loss lasts,
+            ``bench/allreduce.py --parity 4``).
         parity_always: send parity packets even while no loss has been seen.
         stale_step: the lossy optimizer (``strategy="allreduce"``) moves a parameter
             chunk whose broadcast was lost by the size of the last step of it that
