@@ -88,8 +88,11 @@ def test_teardown_after_a_failing_body_kills_everything() -> None:
 
 
 _CHILD = """
-import sys, time
+import signal, sys, time
 from gossipnet.testbed import Testbed
+# a test run from a background job (`cmd &` in a script) inherits SIGINT ignored, and
+# Python then installs no handler: Ctrl-C is what the SIGINT case stands for, so restore it
+signal.signal(signal.SIGINT, signal.default_int_handler)
 tb = Testbed(hosts=2).up()
 tb.hosts[0].popen(["sleep", "600"])
 print(tb.name, flush=True)
