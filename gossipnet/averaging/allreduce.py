@@ -22,9 +22,10 @@ such wait, since lost packets never arrive.  A deadline learned
 from the spans of recent complete phases (``phase_deadline_factor`` x the
 median span), capped by the call's timeout, bounds a phase when ENDs or a
 whole peer are lost.  Where no loss has been seen for ``QUIET_ROUNDS``
-rounds, by us or by any peer (a flag on its END markers and heartbeats), one
-END copy goes out instead of five: a sender whose data all arrived is complete
-without its END, and at 1M elements the copies were half of all packets sent.
+rounds, by us or by any peer (a flag on its END markers and heartbeats), no
+END goes out (one where an all-gather withheld chunks): a sender whose data all
+arrived is complete without its END, and at 1M elements ENDs were half of all
+packets sent.
 
 Redundancy (``Config.redundancy`` = k > 1): every data packet goes out k
 times, the copies trailing the originals by a few hundred packets, so a chunk

@@ -136,7 +136,10 @@ async def send_ag(
             fields = {"r": rnd.r, "m": rnd.mode}
             rnd.sent += send_parity(engine, rnd, kind, others, b, owned, raw, fields)
     await send_copies(node, rnd, copies)
-    announce_ag_end(engine, rnd, engine._end_copies(rnd))
+    copies = engine._end_copies(rnd)
+    if not copies and rnd.ag_chunks_sent < sum(len(o) for o in rnd.owned):
+        copies = 1  # chunks withheld (no weight arrived): receivers need the count
+    announce_ag_end(engine, rnd, copies)
 
 
 def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
