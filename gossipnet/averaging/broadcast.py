@@ -136,10 +136,10 @@ async def send_ag(
             fields = {"r": rnd.r, "m": rnd.mode}
             rnd.sent += send_parity(engine, rnd, kind, others, b, owned, raw, fields)
     await send_copies(node, rnd, copies)
-    copies = engine._end_copies(rnd)
-    if not copies and rnd.ag_chunks_sent < sum(len(o) for o in rnd.owned):
-        copies = 1  # chunks withheld (no weight arrived): receivers need the count
-    announce_ag_end(engine, rnd, copies)
+    ends = engine._end_copies(rnd)
+    if not ends and rnd.ag_chunks_sent < sum(len(o) for o in rnd.owned):
+        ends = 1  # chunks withheld (no weight arrived): receivers need the count
+    announce_ag_end(engine, rnd, ends)
 
 
 def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
