@@ -47,12 +47,13 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
     raws = [as_bytes(buf).toreadonly() for buf in rnd.src]
     # streams (owner, bucket) long enough for a parity group: only their payloads
     # are worth keeping at the receiver
+    k = rnd.fec_k
     fec = {
         (owner, b)
-        for b, smap in enumerate(rnd.maps)
+        for b, smap in enumerate(rnd.maps) if k
         for owner in smap.participants
-        if rnd.fec_k and group_count(len(smap.chunks_of(owner)), rnd.fec_k)
-    }
+        if group_count(len(smap.chunks_of(owner)), k)
+    }  # fmt: skip
     for sent, (owner, b, c) in enumerate(rs_order(rnd), 1):
         plan = rnd.plans[b]
         raw, code = raws[b], codes[b]

@@ -137,7 +137,7 @@ async def send_ag(
             rnd.sent += send_parity(engine, rnd, kind, others, b, owned, raw, fields)
     await send_copies(node, rnd, copies)
     ends = engine._end_copies(rnd)
-    if not ends and rnd.ag_chunks_sent < sum(len(o) for o in rnd.owned):
+    if not ends and rnd.ag_chunks_sent < rnd.expect_rs:  # expect_rs: the chunks we own
         ends = 1  # chunks withheld (no weight arrived): receivers need the count
     announce_ag_end(engine, rnd, ends)
 
