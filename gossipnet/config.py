@@ -59,8 +59,8 @@ class Config:
     Collectives
         collective_timeout_s: default upper bound of one all-reduce / averaging round.
         phase_min_wait_s: floor of the learned per-sender allowance: a sender is never
-            cut sooner than this after its first packet of a phase, nor while it sent
-            something within this long.
+            cut sooner than this after its first packet of a phase, nor while any
+            sender of the phase delivered something within this long.
         phase_deadline_factor: a sender's allowance is ``factor x`` the median span
             (first packet to END marker) of recent senders; never beyond the timeout.
         resync_every_steps: full parameter resync period of the lossy optimizer (0 = never).

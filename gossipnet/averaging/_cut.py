@@ -143,7 +143,16 @@ async def wait_phase(
 def cut_time(cfg: Config, phase: Phase, peer: str, per_packet: float, expected: int) -> float:
     """When to stop waiting for ``peer``: ``factor x`` its expected sending time
     (learned seconds per packet x packets expected) after its first packet, and
-    never while it sent anything within ``phase_min_wait_s``."""
+    never while any sender of the phase delivered within ``phase_min_wait_s``.
+
+    Why silence is counted on the whole phase, not on ``peer`` alone: a sender
+    that is also an owner receives everyone's chunks while it sends its own, and
+    on a crowded machine (2 cores, 4 peers, 400 chunks each) it can spend over
+    0.1 s on that before its next packet to us, so a per-sender silence rule cut
+    live senders at 0% loss.  While others still deliver to us, they still
+    deliver to it, and it has not stalled for good.  Waiting longer costs
+    nothing then: the phase cannot end before those other senders complete.
+    """
     held = phase.hold.get(peer)
     if held is not None:
         return held
@@ -151,4 +160,4 @@ def cut_time(cfg: Config, phase: Phase, peer: str, per_packet: float, expected: 
     if moved is not None:
         return max(moved, phase.last.get(peer, moved)) + MOVED_ON_GRACE_S
     allowance = max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * per_packet * max(1, expected))
-    return max(phase.first[peer] + allowance, phase.last[peer] + cfg.phase_min_wait_s)
+    return max(phase.first[peer] + allowance, phase.latest + cfg.phase_min_wait_s)

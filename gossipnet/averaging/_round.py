@@ -78,6 +78,7 @@ class Phase:
     received: collections.Counter[str] = field(default_factory=collections.Counter)
     first: dict[str, float] = field(default_factory=dict)  # first arrival per sender
     last: dict[str, float] = field(default_factory=dict)  # latest arrival per sender
+    latest: float = float("-inf")  # latest arrival from any sender
     # when we learned the sender is past this phase (a later phase's or round's packet,
     # a heartbeat's round): whatever it sent here is sent, so lost ENDs cost little
     moved_on: dict[str, float] = field(default_factory=dict)
@@ -96,6 +97,7 @@ class Phase:
             self.first[src] = now
             self.wake.set()  # a new sender is active: its own deadline starts now
         self.last[src] = now
+        self.latest = now
 
     def passed(self, src: str, now: float) -> None:
         """``src`` has moved past this phase: cut it shortly unless it completes."""
