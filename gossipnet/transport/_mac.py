@@ -38,7 +38,11 @@ MAC_ALGORITHMS = ("aes-gmac", "hmac-sha256", "blake2b")
 TAG_BYTES = 16
 _NONCE_BYTES = 12
 _NONCE_MOD = 1 << (8 * _NONCE_BYTES)
-_ONESHOT_MAX = 8192  # below this, one concatenation + one-shot call beats the streaming API
+#: Up to this payload size, one concatenation and a one-shot AESGCM call beat the
+#: streaming API, whose Cipher/GCM objects cost ~7 us to build per packet: sign
+#: of a 16 KiB payload 2.1 us vs 9.2 us, 64 KiB 5.7 us vs 10.7 us; at 256 KiB the
+#: copy costs more than it saves (23 us vs 22 us).
+_ONESHOT_MAX = 64 * 1024
 
 
 class Signer(Protocol):
@@ -108,9 +112,10 @@ class _GmacSigner:
 
     def sign(self, head: Buffer, payload: Buffer) -> bytes:
         nonce = self._nonce()
-        prefix = len(head).to_bytes(4, "big") + bytes(head)
         if len(payload) <= _ONESHOT_MAX:
-            return self._aead.encrypt(nonce, b"", prefix + bytes(payload)) + nonce
+            signed = b"".join((len(head).to_bytes(4, "big"), head, payload))
+            return self._aead.encrypt(nonce, b"", signed) + nonce
+        prefix = len(head).to_bytes(4, "big") + bytes(head)
         enc = self._cipher(self._aes, self._modes.GCM(nonce)).encryptor()
         enc.authenticate_additional_data(prefix)
         enc.authenticate_additional_data(payload)
@@ -119,11 +124,12 @@ class _GmacSigner:
 
     def verify(self, head: Buffer, payload: Buffer, mac: memoryview) -> bool:
         tag, nonce = bytes(mac[:TAG_BYTES]), bytes(mac[TAG_BYTES:])
-        prefix = len(head).to_bytes(4, "big") + bytes(head)
         try:
             if len(payload) <= _ONESHOT_MAX:
-                self._aead.decrypt(nonce, tag, prefix + bytes(payload))
+                signed = b"".join((len(head).to_bytes(4, "big"), head, payload))
+                self._aead.decrypt(nonce, tag, signed)
             else:
+                prefix = len(head).to_bytes(4, "big") + bytes(head)
                 dec = self._cipher(self._aes, self._modes.GCM(nonce, tag)).decryptor()
                 dec.authenticate_additional_data(prefix)
                 dec.authenticate_additional_data(payload)

@@ -123,7 +123,8 @@ def test_round_trip_every_dtype(code: str, mac: str) -> None:
 
 
 @pytest.mark.parametrize("mac", ["aes-gmac", "hmac-sha256", "blake2b"])
-@pytest.mark.parametrize("size", [2, 9000])  # both sides of the one-shot/streaming GMAC split
+# both sides of the one-shot/streaming GMAC split (_mac._ONESHOT_MAX = 64 KiB)
+@pytest.mark.parametrize("size", [2, 9000, 64 * 1024, 64 * 1024 + 1])
 def test_mac_is_the_documented_construction(mac: str, size: int) -> None:
     tx = codec(cfg=Config(mac=mac, run="r1"), epoch=7)
     payload = bytes(range(256)) * (size // 256) + b"p" * (size % 256)
