@@ -18,6 +18,7 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ._threads import limit_intraop_threads
 from .errors import ClosedError
 
 __all__ = ("LoopThread",)
@@ -57,6 +58,7 @@ class LoopThread:
         return self._thread
 
     def _run(self) -> None:
+        limit_intraop_threads(1)  # this thread's chunk arithmetic stays on this thread
         asyncio.set_event_loop(self._loop)
         self._loop.call_soon(self._ready.set)
         try:
