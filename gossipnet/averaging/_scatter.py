@@ -214,18 +214,20 @@ def _accept_rs(
     engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor, w: float
 ) -> None:
     """Count one contribution (arrived or rebuilt from parity) into our average."""
-    owned = rnd.owned[b]
+    plan = rnd.plans[b]
     rnd.seen.add((src, b, c))
-    offset, count = rnd.plans[b].chunk(c)
-    start = rnd.maps[b].owned_range(rnd.me).start
-    rnd.acc[b][offset - start : offset - start + count].add_(values, alpha=w)
-    rnd.wsum[b][c - owned.start] += w
-    rnd.count[b][c - owned.start] += 1
+    _, count = plan.chunk(c)
+    i = c - rnd.owned[b].start  # our i-th owned chunk; the shard starts at a chunk boundary
+    lo = i * plan.chunk_elems
+    rnd.acc[b][lo : lo + count].add_(values, alpha=w)
+    rnd.wsum[b][i] += w
+    rnd.count[b][i] += 1
     rs = rnd.rs
     rs.received[src] += 1
-    rs.arrived(src, engine.node.clock.now())
+    now = engine.node.clock.now()
+    rs.arrived(src, now)
     if src not in rs.done and (
         rs.received[src] >= rnd.expect_rs
         or (src in rs.hold and not rs.held_back(src, rs.declared[src]))
     ):
-        engine._spans["rs"].append(rs.finish(src, engine.node.clock.now()))
+        engine._spans["rs"].append(rs.finish(src, now))
