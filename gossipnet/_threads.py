@@ -25,21 +25,23 @@ _log = logging.getLogger(__name__)
 _OPENMP_LIBS = ("libgomp", "libiomp5", "libomp")
 
 
-def _loaded_openmp() -> ctypes.CDLL | None:
-    """The OpenMP runtime this process already loaded (PyTorch's), else None."""
+def _loaded_openmp() -> list[ctypes.CDLL]:
+    """The OpenMP runtimes this process already loaded (PyTorch's among them)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if ".so" in line}
     except OSError:  # not Linux
-        return None
+        return []
+    libs = []
     for path in sorted(paths):
-        name = path.rsplit("/", 1)[-1]
-        if name.startswith(_OPENMP_LIBS):
+        if path.rsplit("/", 1)[-1].startswith(_OPENMP_LIBS):
             try:
-                return ctypes.CDLL(path)
+                lib = ctypes.CDLL(path)  # already loaded: the same handle, no new copy
             except OSError:
-                return None
-    return None
+                continue
+            if hasattr(lib, "omp_set_num_threads"):
+                libs.append(lib)
+    return libs
 
 
 def limit_intraop_threads(n: int) -> bool:
@@ -49,12 +51,11 @@ def limit_intraop_threads(n: int) -> bool:
     torch.ones(1 << 16).sum()  # PyTorch's per-thread set-up runs on a thread's first kernel
     if torch.get_num_threads() <= n:
         return True
-    lib = _loaded_openmp()
-    if lib is None or not hasattr(lib, "omp_set_num_threads"):
-        _log.debug("no OpenMP runtime found; the loop thread's kernels keep torch's threads")
-        return False
-    lib.omp_set_num_threads(ctypes.c_int(n))
-    ok = torch.get_num_threads() == n
-    if not ok:
-        _log.debug("omp_set_num_threads(%d) had no effect on torch here", n)
-    return ok
+    # another library (MKL, a numpy build) may have brought its own runtime: set the
+    # count in each until PyTorch's reads it
+    for lib in _loaded_openmp():
+        lib.omp_set_num_threads(ctypes.c_int(n))
+        if torch.get_num_threads() == n:
+            return True
+    _log.debug("no OpenMP runtime PyTorch uses was found; the loop thread keeps its threads")
+    return False
