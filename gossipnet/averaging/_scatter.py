@@ -100,6 +100,8 @@ def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
     ``copies`` are the same packet (one encoding): the first to arrive counts,
     the receiver's replay window drops the others.
     """
+    if copies < 1:  # a quiet network: no END at all, so none to encode (and sign)
+        return
     node = engine.node
     lossy = int(engine.loss.recent)
     for peer in rnd.participants:

@@ -144,6 +144,8 @@ async def send_ag(
 
 def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
     """END of our all-gather to every other participant (one encoding for all)."""
+    if copies < 1:  # a quiet network: no END at all, so none to encode (and sign)
+        return
     node = engine.node
     others = [p for p in rnd.participants if p != rnd.me]
     end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent, "l": int(engine.loss.recent)}
