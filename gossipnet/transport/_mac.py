@@ -113,12 +113,9 @@ class _GmacSigner:
     def sign(self, head: Buffer, payload: Buffer) -> bytes:
         nonce = self._nonce()
         if len(payload) <= _ONESHOT_MAX:
-            signed = b"".join((len(head).to_bytes(4, "big"), head, payload))
-            return self._aead.encrypt(nonce, b"", signed) + nonce
-        prefix = len(head).to_bytes(4, "big") + bytes(head)
+            return self._aead.encrypt(nonce, b"", _joined(head, payload)) + nonce
         enc = self._cipher(self._aes, self._modes.GCM(nonce)).encryptor()
-        enc.authenticate_additional_data(prefix)
-        enc.authenticate_additional_data(payload)
+        _authenticate(enc, head, payload)
         enc.finalize()
         return enc.tag + nonce
 
@@ -126,14 +123,22 @@ class _GmacSigner:
         tag, nonce = bytes(mac[:TAG_BYTES]), bytes(mac[TAG_BYTES:])
         try:
             if len(payload) <= _ONESHOT_MAX:
-                signed = b"".join((len(head).to_bytes(4, "big"), head, payload))
-                self._aead.decrypt(nonce, tag, signed)
+                self._aead.decrypt(nonce, tag, _joined(head, payload))
             else:
-                prefix = len(head).to_bytes(4, "big") + bytes(head)
                 dec = self._cipher(self._aes, self._modes.GCM(nonce, tag)).decryptor()
-                dec.authenticate_additional_data(prefix)
-                dec.authenticate_additional_data(payload)
+                _authenticate(dec, head, payload)
                 dec.finalize()
         except self._invalid:
             return False
         return True
+
+
+def _joined(head: Buffer, payload: Buffer) -> bytes:
+    """What a GMAC covers, ``len(head) || head || payload``, in one copy (one-shot path)."""
+    return b"".join((len(head).to_bytes(4, "big"), head, payload))
+
+
+def _authenticate(ctx: Any, head: Buffer, payload: Buffer) -> None:
+    """Feed the same bytes as :func:`_joined` to a streaming GCM context, payload uncopied."""
+    ctx.authenticate_additional_data(len(head).to_bytes(4, "big") + bytes(head))
+    ctx.authenticate_additional_data(payload)
