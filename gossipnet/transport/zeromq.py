@@ -47,6 +47,7 @@ from ..clock import Clock, MonotonicClock
 from ..config import Config
 from ..errors import ClosedError, ConfigError
 from . import WILDCARD_HOSTS, join_host_port, split_address, split_host_port
+from ._local_ipc import ALIASED_HOST, alias_path, live_alias
 from .base import Buffer, PacketHandler, Transport, is_frozen
 
 __all__ = ("ZmqTransport",)
@@ -159,6 +160,9 @@ class ZmqTransport(Transport):
         self._drain_scheduled = False
         self._closed = False
         self._ipc_path: str | None = None  # a socket file we named, removed at close
+        self._alias: str | None = None  # the same-host alias we bound, removed at close
+        self._unaliased: dict[str, str] = {}  # 127.0.0.1 dst -> port, dialed over TCP
+        self._next: dict[str, zmq.Socket[bytes]] = {}  # dst -> alias socket taking over
 
     @property
     def max_packet_bytes(self) -> int:
@@ -194,6 +198,7 @@ class ZmqTransport(Transport):
             ) from err
         self._ctx, self._pull, self._loop, self._handler = ctx, pull, loop, handler
         self.address = self._advertised(endpoint)
+        self._bind_alias(pull, endpoint)
         # pyzmq types getsockopt as int | bytes; FD and EVENTS are int options
         self._fd = cast(int, pull.getsockopt(zmq.FD))
         loop.add_reader(self._fd, self._drain)
@@ -209,19 +214,23 @@ class ZmqTransport(Transport):
         self._handler = None
         if self._loop is not None and self._fd >= 0 and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
-        for sock in self._push.values():
+        for sock in (*self._push.values(), *self._next.values()):
             sock.close(linger=0)
         self._push.clear()
+        self._next.clear()
+        self._unaliased.clear()
         if self._pull is not None:
             self._pull.close(linger=0)
             self._pull = None
         if self._ctx is not None:
             self._release(self._ctx)
             self._ctx = None
-        if self._ipc_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._ipc_path)
-            self._ipc_path = None
+        for attr in ("_ipc_path", "_alias"):
+            path = getattr(self, attr)
+            if path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                setattr(self, attr, None)
 
     def _release(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
         if self._scheme == "inproc":
@@ -245,6 +254,23 @@ class ZmqTransport(Transport):
         return (
             f"tcp://*:{port}" if host in WILDCARD_HOSTS else f"tcp://{join_host_port(host, port)}"
         )
+
+    def _bind_alias(self, pull: zmq.Socket[bytes], endpoint: str) -> None:
+        """Also listen on the same-host alias of a loopback-reachable tcp endpoint."""
+        if self._scheme != "tcp" or not self.config.local_ipc:
+            return
+        host, port = split_host_port(split_address(endpoint)[1])
+        if host not in (ALIASED_HOST, "0.0.0.0"):  # LAST_ENDPOINT spells * as 0.0.0.0
+            return
+        path = alias_path(port)
+        if path is None:
+            return
+        try:
+            pull.bind(f"ipc://{path}")  # replaces a stale file: we hold the port
+        except zmq.ZMQError as err:
+            _log.debug("no same-host alias for %s (%s); loopback peers use TCP", endpoint, err)
+            return
+        self._alias = path
 
     def _advertised(self, endpoint: str) -> str:
         """The address peers must use: never a wildcard host."""
@@ -312,6 +338,8 @@ class ZmqTransport(Transport):
             if sock is None:
                 stats.dropped_unreachable += 1
                 return False
+        elif self._next and dst in self._next:
+            sock = self._take_over(dst, sock)
         sizes = [_nbytes(frame) for frame in frames]
         nbytes = sum(sizes)
         if nbytes > self._max_packet:
@@ -336,6 +364,8 @@ class ZmqTransport(Transport):
             return False
         stats.sent_packets += 1
         stats.sent_bytes += nbytes
+        if self._unaliased and dst in self._unaliased:
+            self._look_for_alias(dst)
         return True
 
     def _open(self, ctx: zmq.Context[zmq.Socket[bytes]], dst: str) -> zmq.Socket[bytes] | None:
@@ -347,6 +377,25 @@ class ZmqTransport(Transport):
         # inproc endpoints live in their own (shared) context: unreachable across.
         if scheme not in self.schemes or (scheme == "inproc") != (self._scheme == "inproc"):
             return None
+        endpoint = dst
+        port = self._aliased_port(scheme, rest)
+        if port is not None:
+            alias = live_alias(port)
+            if alias is None:
+                self._unaliased[dst] = port  # not up yet, or no alias: look again later
+            else:
+                endpoint = f"ipc://{alias}"
+        sock = self._dial(ctx, endpoint, ipv6=scheme == "tcp" and rest.startswith("["))
+        if sock is None:
+            self._unaliased.pop(dst, None)
+        else:
+            self._push[dst] = sock
+        return sock
+
+    def _dial(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, *, ipv6: bool
+    ) -> zmq.Socket[bytes] | None:
+        """A PUSH socket connecting to ``endpoint``, or None if ZeroMQ refuses it."""
         heartbeat_ms = max(1, round(self.config.heartbeat_interval_s * 1000))
         timeout_ms = max(1, round(self.config.failure_timeout_s * 1000))
         sock = ctx.socket(zmq.PUSH)
@@ -358,20 +407,58 @@ class ZmqTransport(Transport):
             # (power loss, partition): its queue is freed and sends fail fast again.
             sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-            if scheme == "tcp" and rest.startswith("["):
+            if ipv6:
                 sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(dst)
+            sock.connect(endpoint)
         except zmq.ZMQError:
             sock.close(linger=0)
             return None
-        self._push[dst] = sock
         return sock
+
+    def _aliased_port(self, scheme: str, rest: str) -> str | None:
+        """The port of a destination that may have a same-host alias, else None."""
+        if scheme != "tcp" or not self.config.local_ipc:
+            return None
+        try:
+            host, port = split_host_port(rest)
+        except ConfigError:
+            return None
+        return port if host == ALIASED_HOST else None
+
+    def _look_for_alias(self, dst: str) -> None:
+        """After ``dst``'s first packet over TCP, move it to its alias if it has one.
+
+        Why then: a peer binds its alias right after its TCP port, so a sender
+        that dialed before the peer was up reaches it over TCP first, and once
+        one packet got through the alias exists too.  The alias socket takes
+        over when connected (:meth:`_take_over`); until then packets keep
+        going over TCP.
+        """
+        port = self._unaliased.pop(dst)
+        alias = live_alias(port)
+        if alias is not None and self._ctx is not None:
+            sock = self._dial(self._ctx, f"ipc://{alias}", ipv6=False)
+            if sock is not None:
+                self._next[dst] = sock
+
+    def _take_over(self, dst: str, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
+        """The alias socket for ``dst`` once it accepts packets, else ``sock``."""
+        nxt = self._next[dst]
+        if not cast(int, nxt.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            return sock
+        del self._next[dst]
+        self._push[dst] = nxt
+        # Packets still queued on the TCP socket are lost with it: they are this
+        # peer's first few (membership traffic, which is acknowledged or periodic).
+        sock.close(linger=0)
+        return nxt
 
     def forget(self, dst: str) -> None:
         """Close ``dst``'s PUSH socket (queued packets are discarded); a later send reopens."""
-        sock = self._push.pop(dst, None)
-        if sock is not None:
-            sock.close(linger=0)
+        self._unaliased.pop(dst, None)
+        for sock in (self._push.pop(dst, None), self._next.pop(dst, None)):
+            if sock is not None:
+                sock.close(linger=0)
 
     async def connect(self, dst: str, timeout_s: float) -> bool:
         """Wait until a packet to ``dst`` would be accepted; False at the deadline.
