@@ -8,7 +8,9 @@ on END markers instead of waiting for retransmissions.
 Setup: 4 spawned processes on 127.0.0.1, one float32 tensor per size; each
 process holds different random values.  Rows ("cases"):
   gloo                 ``dist.all_reduce`` (sum) then ``div_(world)``: the same mean
-  gossipnet            ``Peer.all_reduce([t])`` over ZeroMQ tcp, default Config
+  gossipnet            ``Peer.all_reduce([t])`` over ZeroMQ, default Config: peers on
+                       127.0.0.1 reach each other over Unix-socket aliases
+  gossipnet tcp        the same over TCP (``Config(local_ipc=False)``), as gloo is
   gossipnet chunk NK   the same with ``Config(chunk_bytes=N KiB)``
   ... loss 10%         ``FaultPlan(loss=0.1)`` on every packet each peer sends
 
@@ -16,7 +18,13 @@ Timing: every process joins every case first (one gloo group, one gossipnet
 peer per gossipnet case), then runs the repetitions interleaved: rep 1 of
 every case, then rep 2, ...  so load from other programs on the machine
 spreads over all rows alike instead of skewing whichever row ran while it
-lasted.  Before each call the 4 processes meet at a ``multiprocessing.Barrier``;
+lasted.  Each rep rotates the order of the cases, so no row always follows
+the same one (the tail of a lossy call, packets still queued to peers that
+cut them, slowed whichever row came next).  Before each call every process
+sleeps ``--gap-s`` (default 0.2 s), the compute a training step puts between
+two collectives: back-to-back calls favour a backend whose cost is CPU over
+one whose cost is latency (gloo at 1M: 0.009-0.012 s back to back, 0.006 s
+after a pause).  Then the 4 processes meet at a ``multiprocessing.Barrier``;
 each times its own call from the barrier's release to the call's return, and
 a repetition's time is the slowest process's (the collective is done when
 the last peer has its result).  The table shows the median over repetitions,
@@ -92,6 +100,7 @@ class Plan:
     timeout_s: float  # bound of one gossipnet call
     cases: tuple[Case, ...]
     profile_dir: str | None = None  # rank 0 profiles its gossipnet cases here
+    gap_s: float = 0.2  # idle time before every call, as a training step's compute
 
 
 @dataclass
@@ -250,19 +259,34 @@ def worker(rank: int, plan: Plan, ports: list[list[int]], barrier: Any) -> list[
             src, ref = _inputs(n, rank), _true_mean(n)
             buf = src.clone()
             for i in range(plan.warmup + plan.reps):
-                for case, runner, case_rows in zip(plan.cases, runners, rows, strict=True):
-                    check = ref if case.loss == 0 else None
-                    _one_rep(runner, buf, src, check, barrier, case_rows[j], timed=i >= plan.warmup)
+                for k in _rotated(len(plan.cases), i):
+                    check = ref if plan.cases[k].loss == 0 else None
+                    row, timed = rows[k][j], i >= plan.warmup
+                    _one_rep(runners[k], buf, src, check, barrier, row, plan.gap_s, timed=timed)
             del src, ref, buf
         barrier.wait()  # nobody closes while another still waits for its packets
     return rows
 
 
+def _rotated(n: int, rep: int) -> list[int]:
+    """Case indices for repetition ``rep``: the order shifts by one each rep."""
+    return [(rep + k) % n for k in range(n)]
+
+
 def _one_rep(
-    runner: Runner, buf: Any, src: Any, ref: Any | None, barrier: Any, row: Row, *, timed: bool
+    runner: Runner,
+    buf: Any,
+    src: Any,
+    ref: Any | None,
+    barrier: Any,
+    row: Row,
+    gap_s: float,
+    *,
+    timed: bool,
 ) -> None:
     buf.copy_(src)
     drops = runner.local_drops()
+    time.sleep(gap_s)  # stands for a training step's compute, not a wait on a condition
     barrier.wait()
     t0, c0 = time.perf_counter(), time.process_time()
     report = runner.call(buf)
@@ -297,6 +321,7 @@ def build_plan(
     variants += [(f"{DEFAULT} chunk {k}K", {"chunk_bytes": k * 1024}) for k in chunk_kib]
     cases = [Case("gloo", "gloo")]
     cases += [Case(name, "gossipnet", overrides=o) for name, o in variants]
+    cases.append(Case(f"{DEFAULT} tcp", "gossipnet", overrides={"local_ipc": False}))
     cases += [Case(f"{name} loss 10%", "gossipnet", LOSS, o) for name, o in variants]
     if reorder:
         cases.append(Case(f"{DEFAULT} reorder {reorder:.0%}", "gossipnet", reorder=reorder))
@@ -337,7 +362,8 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
         f"(load average now {load})\n"
         f"time: median over {plan.reps} reps ({plan.warmup} warm-up reps excluded) of the "
         "slowest process's call, timed from a shared barrier's release to its return;\n"
-        "cases interleaved per rep.  deliv/stale: mean per peer and timed call;\n"
+        f"cases interleaved per rep in rotating order, {plan.gap_s:g} s idle before each call."
+        "  deliv/stale: mean per peer and timed call;\n"
         "cut: calls whose phase ended at a deadline, drops: packets the senders' own queues "
         "dropped (both over all reps, warm-up too); rel err: max|out-mean|/max|mean|;\n"
         "cpu s: median over reps of the CPU seconds the 4 processes spent in the call "
@@ -358,6 +384,7 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
     lossless = [
         c.name for c in plan.cases if c.backend == "gossipnet" and c.loss == 0 and not c.reorder
     ]
+    tcp = f"{DEFAULT} tcp"
     reordered = [c.name for c in plan.cases if c.reorder]
     parity = [c.name for c in plan.cases if c.overrides.get("parity_group")]
     for n in plan.sizes:
@@ -375,6 +402,9 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
                 cells[(DEFAULT, n)]["cpu_s"] / cells[("gloo", n)]["cpu_s"], 3
             ),
             "loss10_vs_lossless": round(lossy["median_s"] / base, 3),
+            "tcp_vs_gloo": round(cells[(tcp, n)]["median_s"] / gloo, 3)
+            if (tcp, n) in cells
+            else None,
             "loss10_delivered_fraction": round(lossy["delivered_fraction"], 4),
             "loss10_stale_chunks": lossy["stale_chunks"],
             "loss10_chunks_total": lossy["chunks_total"],
@@ -397,6 +427,8 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
     summary["lossless_vs_gloo"] = largest["lossless_vs_gloo"]
     summary["loss10_vs_lossless"] = largest["loss10_vs_lossless"]
     summary["lossless_vs_gloo_cpu"] = largest["lossless_vs_gloo_cpu"]
+    summary["tcp_vs_gloo"] = largest["tcp_vs_gloo"]
+    summary["gap_s"] = plan.gap_s
     summary["loadavg_1min"] = round(os.getloadavg()[0], 2)
     return summary
 
@@ -420,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
         nargs="*",
         default=[256],
         metavar="KIB",
-        help="extra chunk_bytes rows in KiB (default Config: 64 KiB on ZeroMQ)",
+        help="extra chunk_bytes rows in KiB (default Config: up to 4 MiB on ZeroMQ)",
     )
     parser.add_argument(
         "--sizes", type=int, nargs="+", metavar="N", help="element counts instead of the preset's"
@@ -448,6 +480,13 @@ def main(argv: list[str] | None = None) -> None:
         help="a gossipnet.Config override for every gossipnet row (repeatable)",
     )
     parser.add_argument(
+        "--gap-s",
+        type=float,
+        default=0.2,
+        metavar="S",
+        help="idle seconds before every call, a training step's compute (0: back to back)",
+    )
+    parser.add_argument(
         "--profile",
         metavar="DIR",
         help="cProfile rank 0's calls and event-loop thread per gossipnet row",
@@ -461,7 +500,11 @@ def main(argv: list[str] | None = None) -> None:
         for c in plan.cases
     )  # fmt: skip
     plan = dataclasses.replace(
-        plan, cases=cases, sizes=tuple(args.sizes or plan.sizes), reps=args.reps or plan.reps
+        plan,
+        cases=cases,
+        sizes=tuple(args.sizes or plan.sizes),
+        reps=args.reps or plan.reps,
+        gap_s=args.gap_s,
     )
     if args.profile:
         os.makedirs(args.profile, exist_ok=True)
