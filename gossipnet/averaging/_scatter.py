@@ -61,7 +61,7 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
         fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "w": weight, "dt": code, "n": count}
         if (owner, b) in fec:
             fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
-        frames = node.codec.encode(kind, fields, raw[plan.byte_slice(c)])
+        frames = node.encode_for((owner,), kind, fields, raw[plan.byte_slice(c)])
         rnd.sent += node.send_frames((owner,), frames)
         if copies is not None:
             copies.append(((owner,), frames))

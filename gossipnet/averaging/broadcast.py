@@ -121,7 +121,7 @@ async def send_ag(
             payload = raw[span.start - base : span.stop - base]
             fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
             # one encoding (one MAC) for every destination
-            frames = node.codec.encode(kind, fields, payload)
+            frames = node.encode_for(others, kind, fields, payload)
             rnd.sent += node.send_frames(others, frames)
             if copies is not None:
                 copies.append((others, frames))

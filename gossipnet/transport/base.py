@@ -21,6 +21,7 @@ from typing import ClassVar
 
 __all__ = (
     "Buffer",
+    "LocalFrames",
     "PacketHandler",
     "Transport",
     "TransportStats",
@@ -31,6 +32,20 @@ Buffer = bytes | bytearray | memoryview
 #: Called on the loop thread with the received frames (valid only during the call
 #: unless the handler keeps a reference; backends never reuse a delivered buffer).
 PacketHandler = Callable[[list[memoryview]], None]
+
+
+class LocalFrames(list[memoryview]):
+    """Frames that came over a channel only this user's processes can write to.
+
+    A backend hands its handler this type instead of a plain list for packets
+    that arrived through a same-host socket in a directory private to this
+    user (``transport/_local_ipc.py``).  Why it matters: such a sender could
+    read our memory and key anyway, so a MAC over the payload proves nothing
+    the operating system has not already; the wire codec then checks the key
+    fingerprint instead of hashing every byte (``WireCodec.decode``).
+    """
+
+    __slots__ = ()
 
 
 @dataclass(slots=True)
@@ -112,6 +127,15 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop delivery, close sockets with zero linger; idempotent."""
+
+    def is_local(self, dst: str) -> bool:
+        """Whether packets to ``dst`` now arrive there as :class:`LocalFrames`.
+
+        A sender may then leave their MAC unsigned (``WireCodec.encode(local=True)``):
+        the receiver checks only the key fingerprint on that channel, and would
+        reject such a packet on any other.  False unless a backend knows better.
+        """
+        return False
 
     def forget(self, dst: str) -> None:  # noqa: B027 - optional hook
         """Release per-destination resources (e.g. a connected socket) for a departed peer."""

@@ -145,6 +145,9 @@ class FaultyTransport(Transport):
     def max_chunk_bytes(self) -> int:
         return getattr(self.inner, "max_chunk_bytes", self.inner.default_chunk_bytes)
 
+    def is_local(self, dst: str) -> bool:
+        return self.inner.is_local(dst)
+
     def forget(self, dst: str) -> None:
         # The link's RNG and state stay: forgetting must not replay its fates.
         self.inner.forget(dst)

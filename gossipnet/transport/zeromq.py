@@ -48,7 +48,7 @@ from ..config import Config
 from ..errors import ClosedError, ConfigError
 from . import WILDCARD_HOSTS, join_host_port, split_address, split_host_port
 from ._local_ipc import ALIASED_HOST, alias_path, live_alias
-from .base import Buffer, PacketHandler, Transport, is_frozen
+from .base import Buffer, LocalFrames, PacketHandler, Transport, is_frozen
 
 __all__ = ("ZmqTransport",)
 
@@ -157,12 +157,15 @@ class ZmqTransport(Transport):
         self._push: dict[str, zmq.Socket[bytes]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1
-        self._drain_scheduled = False
+        self._local: zmq.Socket[bytes] | None = None  # the alias's own PULL socket
+        self._local_fd = -1
+        self._scheduled: set[bool] = set()  # drains queued: False network, True local
         self._closed = False
         self._ipc_path: str | None = None  # a socket file we named, removed at close
         self._alias: str | None = None  # the same-host alias we bound, removed at close
         self._unaliased: dict[str, str] = {}  # 127.0.0.1 dst -> port, dialed over TCP
         self._next: dict[str, zmq.Socket[bytes]] = {}  # dst -> alias socket taking over
+        self._aliased: set[str] = set()  # dsts whose socket in _push is their alias
 
     @property
     def max_packet_bytes(self) -> int:
@@ -182,11 +185,8 @@ class ZmqTransport(Transport):
             raise RuntimeError(f"{self.address} is already started")
         loop = asyncio.get_running_loop()
         ctx = _INPROC.acquire() if self._scheme == "inproc" else zmq.Context()
-        pull = ctx.socket(zmq.PULL)
+        pull = self._pull_socket(ctx)
         try:
-            pull.setsockopt(zmq.LINGER, 0)
-            pull.setsockopt(zmq.RCVHWM, self.config.recv_queue_packets)
-            pull.setsockopt(zmq.MAXMSGSIZE, self._max_packet)
             bind = self._bind_endpoint(pull)
             pull.bind(bind)
             endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -198,13 +198,20 @@ class ZmqTransport(Transport):
             ) from err
         self._ctx, self._pull, self._loop, self._handler = ctx, pull, loop, handler
         self.address = self._advertised(endpoint)
-        self._bind_alias(pull, endpoint)
         # pyzmq types getsockopt as int | bytes; FD and EVENTS are int options
         self._fd = cast(int, pull.getsockopt(zmq.FD))
-        loop.add_reader(self._fd, self._drain)
+        loop.add_reader(self._fd, self._drain, False)
         # Packets queued before the reader existed raised no edge: look once.
-        self._schedule_drain()
+        self._schedule_drain(False)
+        self._bind_alias(ctx, loop, endpoint)
         return self.address
+
+    def _pull_socket(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
+        pull = ctx.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.RCVHWM, self.config.recv_queue_packets)
+        pull.setsockopt(zmq.MAXMSGSIZE, self._max_packet)
+        return pull
 
     async def close(self) -> None:
         """Stop delivery, close every socket with zero linger, end the context. Idempotent."""
@@ -212,16 +219,20 @@ class ZmqTransport(Transport):
             return
         self._closed = True
         self._handler = None
-        if self._loop is not None and self._fd >= 0 and not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
+        if self._loop is not None and not self._loop.is_closed():
+            for fd in (self._fd, self._local_fd):
+                if fd >= 0:
+                    self._loop.remove_reader(fd)
         for sock in (*self._push.values(), *self._next.values()):
             sock.close(linger=0)
         self._push.clear()
         self._next.clear()
         self._unaliased.clear()
-        if self._pull is not None:
-            self._pull.close(linger=0)
-            self._pull = None
+        self._aliased.clear()
+        for inbox in (self._pull, self._local):
+            if inbox is not None:
+                inbox.close(linger=0)
+        self._pull = self._local = None
         if self._ctx is not None:
             self._release(self._ctx)
             self._ctx = None
@@ -255,8 +266,19 @@ class ZmqTransport(Transport):
             f"tcp://*:{port}" if host in WILDCARD_HOSTS else f"tcp://{join_host_port(host, port)}"
         )
 
-    def _bind_alias(self, pull: zmq.Socket[bytes], endpoint: str) -> None:
-        """Also listen on the same-host alias of a loopback-reachable tcp endpoint."""
+    def _bind_alias(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        loop: asyncio.AbstractEventLoop,
+        endpoint: str,
+    ) -> None:
+        """Also listen on the same-host alias of a loopback-reachable tcp endpoint.
+
+        On a PULL socket of its own: what arrives there was written by a process
+        of this user (the alias lives in a private directory), and is handed on
+        as :class:`~gossipnet.transport.base.LocalFrames` so the codec can skip
+        the payload MAC.  One shared socket could not tell the two apart.
+        """
         if self._scheme != "tcp" or not self.config.local_ipc:
             return
         host, port = split_host_port(split_address(endpoint)[1])
@@ -265,12 +287,17 @@ class ZmqTransport(Transport):
         path = alias_path(port)
         if path is None:
             return
+        local = self._pull_socket(ctx)
         try:
-            pull.bind(f"ipc://{path}")  # replaces a stale file: we hold the port
+            local.bind(f"ipc://{path}")  # replaces a stale file: we hold the port
         except zmq.ZMQError as err:
+            local.close(linger=0)
             _log.debug("no same-host alias for %s (%s); loopback peers use TCP", endpoint, err)
             return
-        self._alias = path
+        self._alias, self._local = path, local
+        self._local_fd = cast(int, local.getsockopt(zmq.FD))
+        loop.add_reader(self._local_fd, self._drain, True)
+        self._schedule_drain(True)
 
     def _advertised(self, endpoint: str) -> str:
         """The address peers must use: never a wildcard host."""
@@ -283,23 +310,27 @@ class ZmqTransport(Transport):
         return f"tcp://{join_host_port(host, port)}"
 
     # ------------------------------------------------------------------ receive
-    def _schedule_drain(self) -> None:
-        if not self._drain_scheduled and self._loop is not None:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
+    def _schedule_drain(self, local: bool) -> None:
+        if local not in self._scheduled and self._loop is not None:
+            self._scheduled.add(local)
+            self._loop.call_soon(self._drain, local)
 
-    def _drain(self) -> None:
-        """Deliver queued messages until ZeroMQ reports none (the fd is edge-triggered)."""
-        self._drain_scheduled = False
-        pull, handler = self._pull, self._handler
+    def _drain(self, local: bool) -> None:
+        """Deliver queued messages until ZeroMQ reports none (the fd is edge-triggered).
+
+        ``local``: drain the alias's socket, whose packets go out as ``LocalFrames``.
+        """
+        self._scheduled.discard(local)
+        pull, handler = (self._local if local else self._pull), self._handler
         if pull is None or handler is None:
             return
         stats = self.stats
         recv = pull.recv
+        frames = LocalFrames if local else list
         for _ in range(_DRAIN_BATCH):
             try:
                 frame = recv(zmq.NOBLOCK, copy=False)
-                views = [frame.buffer]
+                views = frames((frame.buffer,))
                 while frame.more:
                     frame = recv(zmq.NOBLOCK, copy=False)
                     views.append(frame.buffer)
@@ -316,7 +347,7 @@ class ZmqTransport(Transport):
             if self._pull is None:
                 return
         # Batch used up with messages possibly left: no new edge will come for them.
-        self._schedule_drain()
+        self._schedule_drain(local)
 
     # ------------------------------------------------------------------ send
     def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
@@ -385,9 +416,11 @@ class ZmqTransport(Transport):
                 self._unaliased[dst] = port  # not up yet, or no alias: look again later
             else:
                 endpoint = f"ipc://{alias}"
+                self._aliased.add(dst)
         sock = self._dial(ctx, endpoint, ipv6=scheme == "tcp" and rest.startswith("["))
         if sock is None:
             self._unaliased.pop(dst, None)
+            self._aliased.discard(dst)
         else:
             self._push[dst] = sock
         return sock
@@ -448,14 +481,20 @@ class ZmqTransport(Transport):
             return sock
         del self._next[dst]
         self._push[dst] = nxt
+        self._aliased.add(dst)
         # Packets still queued on the TCP socket are lost with it: they are this
         # peer's first few (membership traffic, which is acknowledged or periodic).
         sock.close(linger=0)
         return nxt
 
+    def is_local(self, dst: str) -> bool:
+        """True once ``dst``'s packets go over its alias (they arrive as ``LocalFrames``)."""
+        return dst in self._aliased
+
     def forget(self, dst: str) -> None:
         """Close ``dst``'s PUSH socket (queued packets are discarded); a later send reopens."""
         self._unaliased.pop(dst, None)
+        self._aliased.discard(dst)
         for sock in (self._push.pop(dst, None), self._next.pop(dst, None)):
             if sock is not None:
                 sock.close(linger=0)

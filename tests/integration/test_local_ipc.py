@@ -22,6 +22,7 @@ import zmq
 
 from gossipnet.config import Config
 from gossipnet.transport import _local_ipc
+from gossipnet.transport.base import LocalFrames
 from gossipnet.transport.zeromq import ZmqTransport
 
 pytestmark = [
@@ -110,6 +111,32 @@ def test_sender_that_dialed_first_moves_to_the_alias_without_loss() -> None:
         assert route(tx, dst) == f"ipc://{rx._alias}"
         await tx.close()
         await rx.close()
+
+    asyncio.run(main())
+
+
+def test_alias_arrivals_are_local_frames_and_tcp_ones_are_not() -> None:
+    """Only what came through the private alias may skip the MAC check."""
+
+    async def main() -> None:
+        got: list[type] = []
+        rx = ZmqTransport(Config())
+        via_alias, via_tcp = ZmqTransport(Config()), ZmqTransport(Config(local_ipc=False))
+        await rx.start(lambda frames: got.append(type(frames)))
+        for tx in (via_alias, via_tcp):
+            await tx.start(lambda frames: None)
+            assert await tx.connect(rx.address, 3.0)
+        assert via_alias.is_local(rx.address)
+        assert not via_tcp.is_local(rx.address)
+        assert via_alias.send(rx.address, [b"a"])
+        await wait_until(lambda: len(got) == 1)
+        assert via_tcp.send(rx.address, [b"t"])
+        await wait_until(lambda: len(got) == 2)
+        assert got == [LocalFrames, list]
+        via_alias.forget(rx.address)
+        assert not via_alias.is_local(rx.address)  # until it dials again
+        for t in (via_alias, via_tcp, rx):
+            await t.close()
 
     asyncio.run(main())
 

@@ -85,8 +85,8 @@ def lose_on_arrival(node: Node, lost: Callable[[Packet], bool]) -> None:
     """Make the network lose exactly the packets ``lost`` selects, on arrival at ``node``."""
     decode = node.codec.decode
 
-    def lossy_decode(frames: Any) -> Packet | None:
-        pkt = decode(frames)
+    def lossy_decode(frames: Any, *, local: bool = False) -> Packet | None:
+        pkt = decode(frames, local=local)
         return None if pkt is not None and lost(pkt) else pkt
 
     node.codec.decode = lossy_decode  # type: ignore[method-assign]

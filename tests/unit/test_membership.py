@@ -372,8 +372,8 @@ class Counting:
         self.handled: collections.Counter[int] = collections.Counter()
         decode = node.codec.decode
 
-        def counting_decode(frames: Any) -> Packet | None:
-            pkt = decode(frames)
+        def counting_decode(frames: Any, *, local: bool = False) -> Packet | None:
+            pkt = decode(frames, local=local)
             if pkt is not None and pkt.kind == TEST_KIND:
                 self.arrivals += 1
             return pkt

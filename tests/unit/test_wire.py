@@ -64,7 +64,12 @@ def sign(
     """Frames for ``head``/``payload`` with a valid AES-GMAC (the default), built from the spec."""
     msg = len(head).to_bytes(4, "big") + head + payload
     tag = AESGCM(run_key(secret, run)).encrypt(nonce, b"", msg)
-    return [head, payload, tag + nonce]
+    return [head, payload, tag + nonce + fingerprint(secret, run)]
+
+
+def fingerprint(secret: bytes = SECRET, run: str = "gossipnet") -> bytes:
+    """The key fingerprint closing every MAC frame, from the spec."""
+    return hashlib.blake2b(b"fingerprint", key=run_key(secret, run), digest_size=8).digest()
 
 
 def header(**overrides: Any) -> bytes:
@@ -128,18 +133,20 @@ def test_round_trip_every_dtype(code: str, mac: str) -> None:
 def test_mac_is_the_documented_construction(mac: str, size: int) -> None:
     tx = codec(cfg=Config(mac=mac, run="r1"), epoch=7)
     payload = bytes(range(256)) * (size // 256) + b"p" * (size % 256)
-    head, _, tag = tx.encode(Kind.HELLO, {"x": 1}, payload)
+    head, _, frame = tx.encode(Kind.HELLO, {"x": 1}, payload)
     key = run_key(run="r1")
     msg = len(head).to_bytes(4, "big") + bytes(head) + payload
+    tag, fp = frame[:-8], frame[-8:]
+    assert fp == fingerprint(run="r1")
     if mac == "blake2b":
         expected = hashlib.blake2b(msg, key=key, digest_size=16).digest()
     elif mac == "aes-gmac":
-        assert len(tag) == tx.mac_bytes == 28
+        assert len(frame) == tx.mac_bytes == 36
         expected = AESGCM(key).encrypt(tag[16:], b"", msg) + tag[16:]
     else:
         expected = hmac.new(key, msg, hashlib.sha256).digest()[:16]
     assert tag == expected
-    assert codec("b", cfg=Config(mac=mac, run="r1")).decode([head, payload, tag]) is not None
+    assert codec("b", cfg=Config(mac=mac, run="r1")).decode([head, payload, frame]) is not None
     assert msgpack.unpackb(head) == {
         "v": 1,
         "run": "r1",
@@ -482,3 +489,28 @@ def test_gmac_nonces_never_repeat_and_large_payloads_verify() -> None:
     assert all(rx.decode(f) is not None for f in frames)
     other = codec("c")  # another signer of the same run starts elsewhere in nonce space
     assert bytes(other.encode(Kind.HELLO)[2][16:]) not in nonces
+
+
+# ---------------------------------------------------------------------- local channel
+def test_local_packets_skip_the_mac_but_not_the_key() -> None:
+    """On a private local channel only the key fingerprint is checked; anywhere else
+    an unsigned packet is a forgery."""
+    tx, rx = codec("a"), codec("b")
+    unsigned = tx.encode(Kind.HELLO, {"x": 1}, b"payload", local=True)
+    assert bytes(unsigned[2][:-8]) == bytes(tx.mac_bytes - 8)  # no MAC computed
+    assert rx.decode(unsigned) is None  # over the network: rejected
+    assert rx.rejects["mac"] == 1
+    pkt = rx.decode(tx.encode(Kind.HELLO, {"x": 2}, b"payload", local=True), local=True)
+    assert pkt is not None
+    assert pkt.fields == {"x": 2}
+    # a signed packet is fine on the local channel too (a sender that did not know)
+    assert rx.decode(tx.encode(Kind.HELLO, {"x": 3}), local=True) is not None
+    # another secret (another job on the same host): its fingerprint differs
+    other = codec("c", secret=b"another job's secret")
+    assert other.decode(tx.encode(Kind.HELLO, None, b"p", local=True), local=True) is None
+    assert other.rejects["mac"] == 1
+    # every other check still runs: a replay is a replay
+    frames = tx.encode(Kind.HELLO, None, b"p", local=True)
+    assert rx.decode(frames, local=True) is not None
+    assert rx.decode(frames, local=True) is None
+    assert rx.rejects["replay"] == 1
