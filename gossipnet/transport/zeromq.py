@@ -7,8 +7,9 @@ bounded high-water marks and ``NOBLOCK`` sends keep the contract of
 never queues without bound; a peer that is slow, dead or not yet connected
 costs dropped packets (counted), never a stalled loop.
 
-Shape: one PULL socket bound on the listen address receives from everyone;
-one PUSH socket per destination is connected lazily on the first send.
+Shape: one PULL socket bound on the listen address receives from everyone
+(and a second one on the same-host alias, ``_local_ipc``); one PUSH socket per
+destination is connected lazily on the first send (``_zmq_routes``).
 Consequence of ``IMMEDIATE=1``: the first packets to a fresh peer are
 dropped (``dropped_queue_full``) until its TCP connection and ZMTP handshake
 complete, typically well under a millisecond on a LAN.  Control code that
@@ -47,7 +48,8 @@ from ..clock import Clock, MonotonicClock
 from ..config import Config
 from ..errors import ClosedError, ConfigError
 from . import WILDCARD_HOSTS, join_host_port, split_address, split_host_port
-from ._local_ipc import ALIASED_HOST, alias_path, live_alias
+from ._local_ipc import ALIASED_HOST, alias_path
+from ._zmq_routes import PushRoutes
 from .base import Buffer, LocalFrames, PacketHandler, Transport, is_frozen
 
 __all__ = ("ZmqTransport",)
@@ -154,7 +156,7 @@ class ZmqTransport(Transport):
         self._max_packet = config.max_payload_bytes + config.max_header_bytes + _PACKET_SLACK_BYTES
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._pull: zmq.Socket[bytes] | None = None
-        self._push: dict[str, zmq.Socket[bytes]] = {}
+        self._routes = PushRoutes(config, self.schemes, inproc=scheme == "inproc")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1
         self._local: zmq.Socket[bytes] | None = None  # the alias's own PULL socket
@@ -163,9 +165,6 @@ class ZmqTransport(Transport):
         self._closed = False
         self._ipc_path: str | None = None  # a socket file we named, removed at close
         self._alias: str | None = None  # the same-host alias we bound, removed at close
-        self._unaliased: dict[str, str] = {}  # 127.0.0.1 dst -> port, dialed over TCP
-        self._next: dict[str, zmq.Socket[bytes]] = {}  # dst -> alias socket taking over
-        self._aliased: set[str] = set()  # dsts whose socket in _push is their alias
 
     @property
     def max_packet_bytes(self) -> int:
@@ -197,6 +196,7 @@ class ZmqTransport(Transport):
                 f"cannot bind {self._listen!r} ({err}); is the port taken? port 0 picks a free one"
             ) from err
         self._ctx, self._pull, self._loop, self._handler = ctx, pull, loop, handler
+        self._routes.ctx = ctx
         self.address = self._advertised(endpoint)
         # pyzmq types getsockopt as int | bytes; FD and EVENTS are int options
         self._fd = cast(int, pull.getsockopt(zmq.FD))
@@ -223,19 +223,14 @@ class ZmqTransport(Transport):
             for fd in (self._fd, self._local_fd):
                 if fd >= 0:
                     self._loop.remove_reader(fd)
-        for sock in (*self._push.values(), *self._next.values()):
-            sock.close(linger=0)
-        self._push.clear()
-        self._next.clear()
-        self._unaliased.clear()
-        self._aliased.clear()
+        self._routes.close()
         for inbox in (self._pull, self._local):
             if inbox is not None:
                 inbox.close(linger=0)
         self._pull = self._local = None
         if self._ctx is not None:
             self._release(self._ctx)
-            self._ctx = None
+            self._ctx = self._routes.ctx = None
         for attr in ("_ipc_path", "_alias"):
             path = getattr(self, attr)
             if path is not None:
@@ -359,18 +354,18 @@ class ZmqTransport(Transport):
         backend cannot connect to (other scheme, malformed); ``send_errors``
         before :meth:`start`, after :meth:`close`, or on other ZeroMQ errors.
         """
-        stats = self.stats
-        sock = self._push.get(dst)
+        stats, routes = self.stats, self._routes
+        sock = routes.push.get(dst)
         if sock is None:
             if self._ctx is None:
                 stats.send_errors += 1
                 return False
-            sock = self._open(self._ctx, dst)
+            sock = routes.open(dst)
             if sock is None:
                 stats.dropped_unreachable += 1
                 return False
-        elif self._next and dst in self._next:
-            sock = self._take_over(dst, sock)
+        elif routes.next and dst in routes.next:
+            sock = routes.take_over(dst, sock)
         sizes = [_nbytes(frame) for frame in frames]
         nbytes = sum(sizes)
         if nbytes > self._max_packet:
@@ -395,109 +390,17 @@ class ZmqTransport(Transport):
             return False
         stats.sent_packets += 1
         stats.sent_bytes += nbytes
-        if self._unaliased and dst in self._unaliased:
-            self._look_for_alias(dst)
+        if routes.unaliased and dst in routes.unaliased:
+            routes.look_for_alias(dst)
         return True
-
-    def _open(self, ctx: zmq.Context[zmq.Socket[bytes]], dst: str) -> zmq.Socket[bytes] | None:
-        """A connected PUSH socket for ``dst``, or None if ``dst`` is not ours to reach."""
-        try:
-            scheme, rest = split_address(dst)
-        except ConfigError:
-            return None
-        # inproc endpoints live in their own (shared) context: unreachable across.
-        if scheme not in self.schemes or (scheme == "inproc") != (self._scheme == "inproc"):
-            return None
-        endpoint = dst
-        port = self._aliased_port(scheme, rest)
-        if port is not None:
-            alias = live_alias(port)
-            if alias is None:
-                self._unaliased[dst] = port  # not up yet, or no alias: look again later
-            else:
-                endpoint = f"ipc://{alias}"
-                self._aliased.add(dst)
-        sock = self._dial(ctx, endpoint, ipv6=scheme == "tcp" and rest.startswith("["))
-        if sock is None:
-            self._unaliased.pop(dst, None)
-            self._aliased.discard(dst)
-        else:
-            self._push[dst] = sock
-        return sock
-
-    def _dial(
-        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, *, ipv6: bool
-    ) -> zmq.Socket[bytes] | None:
-        """A PUSH socket connecting to ``endpoint``, or None if ZeroMQ refuses it."""
-        heartbeat_ms = max(1, round(self.config.heartbeat_interval_s * 1000))
-        timeout_ms = max(1, round(self.config.failure_timeout_s * 1000))
-        sock = ctx.socket(zmq.PUSH)
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self.config.send_queue_packets)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            # ZMTP heartbeats drop a connection whose peer vanished without a FIN
-            # (power loss, partition): its queue is freed and sends fail fast again.
-            sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
-            if ipv6:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
-        except zmq.ZMQError:
-            sock.close(linger=0)
-            return None
-        return sock
-
-    def _aliased_port(self, scheme: str, rest: str) -> str | None:
-        """The port of a destination that may have a same-host alias, else None."""
-        if scheme != "tcp" or not self.config.local_ipc:
-            return None
-        try:
-            host, port = split_host_port(rest)
-        except ConfigError:
-            return None
-        return port if host == ALIASED_HOST else None
-
-    def _look_for_alias(self, dst: str) -> None:
-        """After ``dst``'s first packet over TCP, move it to its alias if it has one.
-
-        Why then: a peer binds its alias right after its TCP port, so a sender
-        that dialed before the peer was up reaches it over TCP first, and once
-        one packet got through the alias exists too.  The alias socket takes
-        over when connected (:meth:`_take_over`); until then packets keep
-        going over TCP.
-        """
-        port = self._unaliased.pop(dst)
-        alias = live_alias(port)
-        if alias is not None and self._ctx is not None:
-            sock = self._dial(self._ctx, f"ipc://{alias}", ipv6=False)
-            if sock is not None:
-                self._next[dst] = sock
-
-    def _take_over(self, dst: str, sock: zmq.Socket[bytes]) -> zmq.Socket[bytes]:
-        """The alias socket for ``dst`` once it accepts packets, else ``sock``."""
-        nxt = self._next[dst]
-        if not cast(int, nxt.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-            return sock
-        del self._next[dst]
-        self._push[dst] = nxt
-        self._aliased.add(dst)
-        # Packets still queued on the TCP socket are lost with it: they are this
-        # peer's first few (membership traffic, which is acknowledged or periodic).
-        sock.close(linger=0)
-        return nxt
 
     def is_local(self, dst: str) -> bool:
         """True once ``dst``'s packets go over its alias (they arrive as ``LocalFrames``)."""
-        return dst in self._aliased
+        return self._routes.is_local(dst)
 
     def forget(self, dst: str) -> None:
         """Close ``dst``'s PUSH socket (queued packets are discarded); a later send reopens."""
-        self._unaliased.pop(dst, None)
-        self._aliased.discard(dst)
-        for sock in (self._push.pop(dst, None), self._next.pop(dst, None)):
-            if sock is not None:
-                sock.close(linger=0)
+        self._routes.forget(dst)
 
     async def connect(self, dst: str, timeout_s: float) -> bool:
         """Wait until a packet to ``dst`` would be accepted; False at the deadline.
@@ -509,12 +412,13 @@ class ZmqTransport(Transport):
         """
         if self._ctx is None:
             return False
-        sock = self._push.get(dst) or self._open(self._ctx, dst)
+        push = self._routes.push
+        sock = push.get(dst) or self._routes.open(dst)
         if sock is None:
             return False
         deadline = self.clock.now() + timeout_s
         pause_s = 0.0005
-        while not self._closed and self._push.get(dst) is sock:
+        while not self._closed and push.get(dst) is sock:
             if cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
                 return True
             remaining = deadline - self.clock.now()

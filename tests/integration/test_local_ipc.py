@@ -41,7 +41,7 @@ async def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0, what: str
 
 def route(tx: ZmqTransport, dst: str) -> str:
     """The endpoint ``tx``'s socket for ``dst`` is connected to."""
-    return tx._push[dst].getsockopt_string(zmq.LAST_ENDPOINT)
+    return tx._routes.push[dst].getsockopt_string(zmq.LAST_ENDPOINT)
 
 
 def _free_port() -> int:
