@@ -79,7 +79,7 @@ from gossipnet.testbed._shaping import tbf_burst_bytes
 
 TARGET_GN_10_VS_0 = 1.2
 TARGET_GLOO_VS_GN_5 = 3.0
-_WIRE_OVERHEAD = 20 + 8 + 13 + 16 + 320  # IP, UDP, framing, MAC, msgpack header (generous)
+_WIRE_OVERHEAD = 20 + 8 + 13 + 36 + 300  # IP, UDP, framing, MAC frame, msgpack header (generous)
 
 
 def chunk_for_mtu(mtu: int) -> int:
