@@ -15,11 +15,12 @@ GMAC nonces.  GCM is broken by nonce reuse under one key, and every peer of a
 run holds the same key, so nonces must be unique across all senders of the
 run without coordination.  Each signer draws a random 96-bit start and adds
 its packet counter to it (mod 2^96); the 12-byte nonce travels after the tag
-in the MAC frame (28 bytes in all), so the receiver needs nothing from the
-unauthenticated header.  Two signers collide only if their counted ranges
-overlap: for n signer lifetimes of m packets each, about n^2 m / 2^96, which
-stays negligible for any realistic run.  One packet sent to several
-destinations is signed once; that is one message, not a reuse.
+in the signature (28 bytes; the wire codec appends an 8-byte key fingerprint),
+so the receiver needs nothing from the unauthenticated header.  Two signers
+collide only if their counted ranges overlap: for n signer lifetimes of m
+packets each, about n^2 m / 2^96, which stays negligible for any realistic
+run.  One packet sent to several destinations is signed once; that is one
+message, not a reuse.
 """
 
 from __future__ import annotations

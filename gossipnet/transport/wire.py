@@ -54,7 +54,7 @@ __all__ = (
 log = logging.getLogger(__name__)
 
 VERSION = 1
-MAC_BYTES = 16  # the tag; the MAC frame is ``WireCodec.mac_bytes`` long (44 for aes-gmac)
+MAC_BYTES = 16  # the tag; the MAC frame is ``WireCodec.mac_bytes`` long (36 for aes-gmac)
 #: Bytes of key fingerprint closing every MAC frame (see ``WireCodec.decode``).
 FINGERPRINT_BYTES = 8
 #: Header keys the codec owns; caller fields may not use them.
