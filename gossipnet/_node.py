@@ -97,6 +97,7 @@ class Node(NodeMembership):
         self.address = await self.transport.start(self._on_frames)
         self._bootstrap = [a for a in self._bootstrap if a != self.address]
         self.membership = Membership(self.peer_id, self.address, self.config.failure_timeout_s)
+        self.membership.on_change(self._redial_the_dead)
         self.subscribe(Kind.HELLO, self._on_hello)
         self.subscribe(Kind.HELLO_ACK, self._on_view)
         self.subscribe(Kind.HEARTBEAT, self._on_view)

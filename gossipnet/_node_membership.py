@@ -90,6 +90,20 @@ class NodeMembership(NodeIO):
             return
         self.transport.forget(address)
 
+    def _redial_the_dead(self, event: str, peer_id: str) -> None:
+        """Close our sockets to a peer declared dead (or restarted); a later send redials.
+
+        Why: a socket keeps dialing the path it chose when it opened.  A peer
+        restarted on the same address may be reachable another way now (its
+        same-host alias gone, or new), and probing again on the next send finds
+        out; packets still queued for the dead process are lost anyway.
+        """
+        if event != "died" or self._closed or self.transport is None or self.membership is None:
+            return
+        address = self.membership.address_of(peer_id)
+        if address is not None:
+            self.transport.forget(address)
+
     def _view_payload(self) -> bytes:
         assert self.membership is not None
         return msgpack.packb([list(e) for e in self.membership.view()])

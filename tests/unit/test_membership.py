@@ -313,6 +313,14 @@ def test_a_closed_transport_without_announce_is_declared_dead(
     async def main() -> None:
         clock = FakeClock()
         async with cluster(3, config=cfg, clock=clock) as nodes:
+            forgotten: list[list[str]] = [[], []]
+            for node, log in zip(nodes[:2], forgotten, strict=True):
+                assert node.transport is not None
+                inner = node.transport.forget
+                node.transport.forget = lambda dst, log=log, inner=inner: (  # type: ignore[method-assign]
+                    log.append(dst),
+                    inner(dst),
+                )
             await nodes[2].close(announce=False)
             took = await wait_until(
                 lambda: all(n.alive_peers() == ["p0", "p1"] for n in nodes[:2]),
@@ -321,6 +329,8 @@ def test_a_closed_transport_without_announce_is_declared_dead(
             )
             assert cfg.failure_timeout_s - cfg.heartbeat_interval_s <= took
             assert took <= cfg.failure_timeout_s + cfg.heartbeat_interval_s + 0.01
+            # the dead peer's sockets are closed at once: a send after a restart redials
+            assert forgotten == [["mem://p2"], ["mem://p2"]]
 
     run_async(main())
 
