@@ -18,6 +18,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import queue
+import random
 import socket
 import statistics
 import time
@@ -51,19 +52,45 @@ def median(values: Sequence[float]) -> float:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports that were free a moment ago.
+    """``n`` distinct TCP ports that were free a moment ago, outside the ephemeral range.
 
-    All ``n`` sockets stay bound until every port is picked, so the ports
-    differ; another process may still grab one before the bench binds it
-    (rare on a quiet machine; the bench then fails to bind and says so).
+    Why outside it: between picking a port and binding it, a bench opens
+    connections (gloo's pairs, ZeroMQ's dials), and the kernel gives each an
+    ephemeral source port, which once took a port picked here ("Address
+    already in use", about one bench run in thirty).  Ports below
+    ``ip_local_port_range`` are never handed out that way.  All ``n`` sockets
+    stay bound until every port is picked, so the ports differ; where the
+    range is unknown (not Linux) the kernel picks, as before.
     """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
     with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(n):
+        ports: list[int] = []
+        tries = 0
+        while len(ports) < n:
             sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((host, 0))
+            tries += 1
+            port = rng.randrange(_LOWEST_PORT, low) if low and tries < 50 * n else 0
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue  # taken: draw again
             ports.append(sock.getsockname()[1])
         return ports
+
+
+#: Bench ports are drawn from here up to the ephemeral range's start.
+_LOWEST_PORT = 20000
+
+
+def _ephemeral_low() -> int | None:
+    """The first ephemeral port (Linux), if it leaves room above ``_LOWEST_PORT``."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return low if low > _LOWEST_PORT + 1000 else None
 
 
 def _worker_main(target: Callable[..., Any], rank: int, args: tuple[Any, ...], out: Any) -> None:
