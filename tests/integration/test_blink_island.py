@@ -204,7 +204,8 @@ def test_bucket_files_of_killed_processes_are_swept(
 
     from gossipnet.averaging.blink import _island_share as share
 
-    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    # a process that waits for a signal (the SIGKILL below) and does nothing else
+    victim = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     victim.send_signal(signal.SIGKILL)
     victim.wait(timeout=10)
     dead = tmp_path / f"gossipnet-{victim.pid}-0123456789ab"

@@ -14,8 +14,8 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -31,12 +31,7 @@ pytestmark = [
 ]
 
 
-async def wait_until(pred: Callable[[], bool], timeout_s: float = 5.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s} s waiting for {what or pred}")
-        await asyncio.sleep(0.001)
+WAIT_S = 5.0  # deadline of every wait on a condition (the conftest's ``wait_until``)
 
 
 def route(tx: ZmqTransport, dst: str) -> str:
@@ -51,7 +46,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "tcp://0.0.0.0:0"])
-def test_loopback_peer_is_reached_over_its_alias(listen: str) -> None:
+def test_loopback_peer_is_reached_over_its_alias(listen: str, wait_until: Any) -> None:
     async def main() -> None:
         got: list[bytes] = []
         rx = ZmqTransport(Config(), listen)
@@ -66,7 +61,7 @@ def test_loopback_peer_is_reached_over_its_alias(listen: str) -> None:
         assert route(tx, rx.address) == f"ipc://{alias}"
         payload = os.urandom(300_000)
         assert tx.send(rx.address, [b"h", payload])
-        await wait_until(lambda: got == [payload], what="the packet")
+        await wait_until(lambda: got == [payload], WAIT_S, what="the packet")
         await tx.close()
         await rx.close()
         aliases.append(alias)
@@ -76,7 +71,7 @@ def test_loopback_peer_is_reached_over_its_alias(listen: str) -> None:
     assert not os.path.exists(aliases[0])  # close removed it
 
 
-def test_sender_that_dialed_first_moves_to_the_alias_without_loss() -> None:
+def test_sender_that_dialed_first_moves_to_the_alias_without_loss(wait_until: Any) -> None:
     """Dial a port nobody listens on yet: TCP first, then the alias once the peer is up."""
 
     async def main() -> None:
@@ -103,7 +98,7 @@ def test_sender_that_dialed_first_moves_to_the_alias_without_loss() -> None:
         while not send_one():  # zmq's reconnect brings TCP up first, then the move
             assert time.monotonic() < deadline, "never moved to the alias"
             await asyncio.sleep(0.002)
-        await wait_until(lambda: got[-1:] == sent[-1:], what="the last packet")
+        await wait_until(lambda: got[-1:] == sent[-1:], WAIT_S, what="the last packet")
         # Accepted packets may be lost only in the hand-over: those the TCP socket
         # still queued when the alias socket took over.  At most a few.
         missing = set(sent) - set(got)
@@ -115,7 +110,7 @@ def test_sender_that_dialed_first_moves_to_the_alias_without_loss() -> None:
     asyncio.run(main())
 
 
-def test_alias_arrivals_are_local_frames_and_tcp_ones_are_not() -> None:
+def test_alias_arrivals_are_local_frames_and_tcp_ones_are_not(wait_until: Any) -> None:
     """Only what came through the private alias may skip the MAC check."""
 
     async def main() -> None:
@@ -129,9 +124,9 @@ def test_alias_arrivals_are_local_frames_and_tcp_ones_are_not() -> None:
         assert via_alias.is_local(rx.address)
         assert not via_tcp.is_local(rx.address)
         assert via_alias.send(rx.address, [b"a"])
-        await wait_until(lambda: len(got) == 1)
+        await wait_until(lambda: len(got) == 1, WAIT_S)
         assert via_tcp.send(rx.address, [b"t"])
-        await wait_until(lambda: len(got) == 2)
+        await wait_until(lambda: len(got) == 2, WAIT_S)
         assert got == [LocalFrames, list]
         via_alias.forget(rx.address)
         assert not via_alias.is_local(rx.address)  # until it dials again
@@ -141,7 +136,7 @@ def test_alias_arrivals_are_local_frames_and_tcp_ones_are_not() -> None:
     asyncio.run(main())
 
 
-def test_local_ipc_false_keeps_tcp() -> None:
+def test_local_ipc_false_keeps_tcp(wait_until: Any) -> None:
     async def main() -> None:
         got: list[bytes] = []
         config = Config(local_ipc=False)
@@ -151,7 +146,7 @@ def test_local_ipc_false_keeps_tcp() -> None:
         assert rx._alias is None
         assert await tx.connect(rx.address, 3.0)
         assert tx.send(rx.address, [b"x"])
-        await wait_until(lambda: got == [b"x"])
+        await wait_until(lambda: got == [b"x"], WAIT_S)
         assert route(tx, rx.address) == rx.address
         await tx.close()
         await rx.close()

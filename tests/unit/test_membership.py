@@ -304,6 +304,19 @@ def test_a_crashed_node_that_comes_back_rejoins(
     run_async(main())
 
 
+def record_forgets(node: Node) -> list[str]:
+    """The addresses ``node`` asks its transport to forget, in order (it still forgets)."""
+    assert node.transport is not None
+    forget, log = node.transport.forget, []
+
+    def recording(dst: str) -> None:
+        log.append(dst)
+        forget(dst)
+
+    node.transport.forget = recording  # type: ignore[method-assign]
+    return log
+
+
 @pytest.mark.timeout(10)
 def test_a_closed_transport_without_announce_is_declared_dead(
     run_async: Callable[..., Any], cluster: Any, fast_config: Config, wait_until: Any
@@ -313,14 +326,7 @@ def test_a_closed_transport_without_announce_is_declared_dead(
     async def main() -> None:
         clock = FakeClock()
         async with cluster(3, config=cfg, clock=clock) as nodes:
-            forgotten: list[list[str]] = [[], []]
-            for node, log in zip(nodes[:2], forgotten, strict=True):
-                assert node.transport is not None
-                inner = node.transport.forget
-                node.transport.forget = lambda dst, log=log, inner=inner: (  # type: ignore[method-assign]
-                    log.append(dst),
-                    inner(dst),
-                )
+            forgotten = [record_forgets(node) for node in nodes[:2]]
             await nodes[2].close(announce=False)
             took = await wait_until(
                 lambda: all(n.alive_peers() == ["p0", "p1"] for n in nodes[:2]),
