@@ -10,10 +10,19 @@ package has no side effects: no thread, socket or event loop starts until
 from __future__ import annotations
 
 from ._microbatch import MicrobatchReport
+from ._replicas import ReplicaCheck
 from .averaging.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
 from .clock import Clock, FakeClock, MonotonicClock
 from .config import Config
-from .errors import ClosedError, ConfigError, GossipError, PeerUnreachable, ProtocolError
+from .errors import (
+    ClosedError,
+    ConfigError,
+    GossipError,
+    LayoutMismatchError,
+    PeerUnreachable,
+    ProtocolError,
+    ReplicaDivergedError,
+)
 from .mobility.radio import RadioModel
 from .mobility.routes import Route
 from .optim import GossipOptimizer
@@ -38,6 +47,7 @@ __all__ = (
     "GilbertElliott",
     "GossipError",
     "GossipOptimizer",
+    "LayoutMismatchError",
     "MicrobatchReport",
     "MonotonicClock",
     "Partition",
@@ -45,6 +55,8 @@ __all__ = (
     "PeerUnreachable",
     "ProtocolError",
     "RadioModel",
+    "ReplicaCheck",
+    "ReplicaDivergedError",
     "Route",
     "TauPolicy",
     "__version__",

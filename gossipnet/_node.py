@@ -80,7 +80,7 @@ class Node(NodeMembership):
         self.unhandled: collections.Counter[int] = collections.Counter()
         #: small int fields every heartbeat carries (e.g. an engine's next round), so
         #: peers that just joined or restarted learn where the others are.
-        self.beacon: dict[str, int] = {}
+        self.beacon: dict[str, Any] = {}
         self._heartbeat_listeners: list[PacketCallback] = []
 
     # ------------------------------------------------------------------ lifecycle

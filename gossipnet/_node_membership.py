@@ -12,6 +12,7 @@ runs on its own timer, never on the per-packet data path.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgpack
 
@@ -27,8 +28,8 @@ _MAX_VIEW_ENTRIES = 4096
 class NodeMembership(NodeIO):
     """Membership messages and the heartbeat loop over :class:`NodeIO` (the base of ``Node``)."""
 
-    #: small int fields every heartbeat carries; see :class:`gossipnet._node.Node`.
-    beacon: dict[str, int]
+    #: small fields (ints, short lists) every heartbeat carries; see ``_node.Node``.
+    beacon: dict[str, Any]
     _bootstrap: list[str]
     _heartbeat_listeners: list[PacketCallback]
 

@@ -23,6 +23,8 @@ from ._loop import LoopThread
 from ._malloc import tune_malloc
 from ._microbatch import MicrobatchState
 from ._node import Node
+from ._replicas import ReplicaDigests
+from .averaging._packets import OPTIMIZER_KINDS
 from .averaging.allreduce import LossyAllReduce
 from .averaging.blink.island import IslandAverage
 from .averaging.moshpit import MoshpitAverager
@@ -76,6 +78,8 @@ class PeerCore:
         )
         self._closed = False
         self._allreduce: LossyAllReduce | None = None
+        self._optim_engine: LossyAllReduce | None = None  # GossipOptimizer's rounds
+        self._replicas: ReplicaDigests | None = None  # resync digests, ours and theirs
         self._moshpit: MoshpitAverager | None = None
         self._statesync: StateSync | None = None
         self._route: RouteAverager | None = None
@@ -150,6 +154,8 @@ class PeerCore:
         arrive for them (an engine created lazily would miss a fast peer's first round)."""
         await self._node.start()
         self._allreduce = LossyAllReduce(self._node)
+        self._optim_engine = LossyAllReduce(self._node, tag="opt", kinds=OPTIMIZER_KINDS)
+        self._replicas = ReplicaDigests(self._node)
         self._moshpit = MoshpitAverager(self._node)
         self._statesync = StateSync(self._node)
         self._route = RouteAverager(self._node)

@@ -12,6 +12,8 @@ __all__ = (
     "ClosedError",
     "ConfigError",
     "GossipError",
+    "LayoutMismatchError",
+    "ReplicaDivergedError",
     "PeerUnreachable",
     "ProtocolError",
     "TopologyError",
@@ -49,3 +51,20 @@ class ProtocolError(GossipError):
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+class LayoutMismatchError(ConfigError):
+    """Peers passed tensors of different layouts (dtypes, lengths) to one collective.
+
+    Raised by the first collective that hears such a peer: its chunks would be
+    averaged into the wrong elements.  The message names the peers and both layouts;
+    make every peer build the same model and pass its tensors in the same order.
+    """
+
+
+class ReplicaDivergedError(GossipError):
+    """This peer's replica disagrees with the others' and could not be repaired.
+
+    Raised where a caller asked to fail instead of training on (the demo does);
+    the optimizer itself repairs by downloading the others' state and only reports.
+    """

@@ -13,10 +13,19 @@ that arrives: the gradient it takes there next is what lost broadcasts cost.
 While loss is seen its rounds send XOR parity packets (``Config.parity_for``):
 one per group of 4 to 7 packets rebuilds one lost packet of the group, so at 10%
 loss about 4-5% of chunks stay lost instead of 10%, for at most a quarter more
-traffic.  Every ``resync_every_steps`` rounds a resync round averages the
+traffic.  Every ``resync_every_steps`` steps a resync round averages the
 parameters and repairs every lost chunk, so replicas become identical again;
-round 0 is a resync, which makes peers that started from different seeds
+step 0 is a resync, which makes peers that started from different seeds
 consistent.
+
+Rounds are identified by the training step (``averaging._round_id``): every
+peer at step s runs the same round ids, however many calls it made before.
+After every resync each peer announces a digest of its parameters; a peer
+whose digest the others outvote, or whose round showed it behind or ahead of
+the others (a stall past the failure timeout, a restart, a call more or
+fewer), downloads a right peer's state and step count (``_realign.py``).
+The report's ``extra`` says so: ``realigned``, ``replica_repaired``,
+``replicas_disagree``; ``net.replicas_agree()`` gives the verdict.
 
 Why rebuild the base optimizer per shard: torch optimizers step whole
 tensors; a shard is a view of the flat parameter bucket, so a new optimizer
@@ -27,6 +36,7 @@ user's ``base.param_groups`` before every step.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Callable
@@ -34,11 +44,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _realign
 from ._moshpit_optim import MoshpitStrategy
+from ._replicas import ReplicaCheck, digest
 from ._route_optim import RouteStrategy
+from .averaging._round_id import (
+    EXPLICIT_RESYNC,
+    GRADIENTS,
+    SCHEDULED_RESYNC,
+    Alignment,
+    optimizer_round,
+)
 from .averaging._stale_step import StaleStep
 from .averaging.allreduce import LossyAllReduce, OwnedShard
 from .averaging.chunks import FlatBuffer, all_finite
+from .averaging.statesync import TransferReport
 from .errors import ConfigError
 from .rounds import CollectiveReport
 
@@ -73,8 +93,8 @@ class GossipOptimizer:
             (local steps, route-aware gossip of the parameters every ``average_every``
             steps on the links the shared routes predict; options ``rounds``,
             ``average_state``: :class:`gossipnet._route_optim.RouteStrategy`).
-        resync_every_steps: resync period in rounds (default from ``Config``; 0 = only
-            the first round).
+        resync_every_steps: resync period in steps (default from ``Config``; 0 = only
+            the first step).
         timeout: bound of one step's collective in seconds.
 
     The parameters are re-bound to views of flat buckets (``FlatBuffer.adopt``):
@@ -132,6 +152,14 @@ class GossipOptimizer:
         self.step_count = 0
         self.last_report: CollectiveReport | None = None
         self.last_resync: CollectiveReport | None = None
+        #: the last state download (realignment or replica repair), its report
+        self.last_sync: TransferReport | None = None
+        #: the last replica-digest verdict acted on (see ``_realign.after_step``)
+        self.last_replica_check: ReplicaCheck | None = None
+        self.sync_timeout_s = max(10.0, 3 * self.timeout)
+        self._last_align: Alignment | None = None
+        self._digest_rid: int | None = None  # the resync our latest digest is of
+        self._checked_rid: int | None = None  # the resync whose verdict we acted on
         self._moshpit: MoshpitStrategy | None = None
         if strategy == "moshpit":
             self._moshpit = MoshpitStrategy(self, average_every=average_every, **moshpit_options)
@@ -197,13 +225,15 @@ class GossipOptimizer:
         params = self._param_buckets()
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         gstaged = [g.cpu() for g in grads]
-        report = self.peer._call(self._round(gstaged, staged, weight), self.timeout * 2 + 30)
+        step = self.step_count
+        report = self.peer._call(self._round(gstaged, staged, weight, step), self.timeout * 3 + 30)
         for b, s in zip(params, staged, strict=True):
             if b is not s:
                 b.copy_(s)
         self.step_count += 1
         if mb is not None:
             report.extra.update(mb.as_extra())
+        _realign.after_step(self, report, self._last_align)
         self.last_report = report
         return report
 
@@ -213,9 +243,12 @@ class GossipOptimizer:
             return self._moshpit.average()
         if self._route is not None:
             return self._route.average()
+        rid = max(optimizer_round(self.step_count, EXPLICIT_RESYNC), self._engine().next_round)
+        if rid >= optimizer_round(self.step_count, GRADIENTS) and self.last_resync is not None:
+            return self.last_resync  # two resyncs already since the last step: nothing changed
         params = self._param_buckets()
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
-        report = self.peer._call(self._resync(staged), self.timeout * 2 + 30)
+        report = self.peer._call(self._resync(staged, rid), self.timeout * 2 + 30)
         for b, s in zip(params, staged, strict=True):
             if b is not s:
                 b.copy_(s)
@@ -223,32 +256,56 @@ class GossipOptimizer:
 
     # ------------------------------------------------------------------ loop side
     def _engine(self) -> LossyAllReduce:
-        return self.peer._engine()
+        """The peer's optimizer engine: its own packet kinds, so plain ``all_reduce``
+        calls between steps never take (or shift) the step-numbered rounds."""
+        engine = self.peer._optim_engine
+        assert engine is not None
+        return engine
 
-    async def _resync(self, params: list[torch.Tensor]) -> CollectiveReport:
+    async def _resync(self, params: list[torch.Tensor], round_id: int) -> CollectiveReport:
+        """Average the parameters with repair, then announce their digest."""
         report = await self._engine().run(
             [p.clone() for p in params],
             dst=params,
             timeout_s=self.timeout,
             mode=MODE_RESYNC,
             repair=True,
+            round_id=round_id,
         )
         report.method = "resync"
         self.last_resync = report
+        value = await asyncio.to_thread(digest, params)  # hashlib releases the GIL
+        replicas = self.peer._replicas
+        if replicas is not None:
+            replicas.publish(round_id, value)
+        self._digest_rid = round_id
+        report.extra["digest"] = float(int(value[:12], 16))  # 48 bits: exact as a float
         return report
 
     async def _round(
-        self, grads: list[torch.Tensor], params: list[torch.Tensor], weight: float
+        self, grads: list[torch.Tensor], params: list[torch.Tensor], weight: float, step: int
     ) -> CollectiveReport:
+        """Step ``step``: its scheduled resync (if due), then its gradient round.
+
+        Both round ids come from ``step``, so peers pair by step.  A resync that
+        shows us out of step skips the gradient round: its result would be wrong,
+        and the realignment after it replaces our state anyway.
+        """
         engine = self._engine()
-        r = max(engine.next_round, engine.max_seen)
-        if r == 0 or (self.resync_every and r % self.resync_every == 0):
-            await self._resync(params)
+        rid = optimizer_round(step, SCHEDULED_RESYNC)
+        due = step == 0 or (self.resync_every and step % self.resync_every == 0)
+        if due and rid >= engine.next_round:  # else an explicit resync just ran
+            resync = await self._resync(params, rid)
+            align = engine.alignment()
+            if align.we_are_behind or align.we_are_ahead:
+                self._last_align = align
+                resync.extra["skipped_gradients"] = 1.0
+                return resync
 
         def on_reduced(shards: list[OwnedShard]) -> list[torch.Tensor]:
             return self._step_shards(shards, params)
 
-        return await engine.run(
+        report = await engine.run(
             grads,
             dst=params,
             weight=weight,
@@ -257,7 +314,10 @@ class GossipOptimizer:
             mode=MODE_GRADS,
             stale_step=self._stale_step,
             parity_group=self.peer.config.parity_for(optimizer=True),
+            round_id=optimizer_round(step, GRADIENTS),
         )
+        self._last_align = engine.alignment()
+        return report
 
     def _step_shards(
         self, shards: list[OwnedShard], params: list[torch.Tensor]
@@ -389,3 +449,5 @@ class GossipOptimizer:
         self._pending_state = state["sharded"]
         self._shard_key = ()  # rebuild with the loaded state at the next step
         self._shard_opt = None
+        # the next rounds are this step's again (the engine may have run later ones)
+        self.peer._call(self._engine().rewind(optimizer_round(self.step_count, EXPLICIT_RESYNC)))

@@ -26,6 +26,7 @@ from ._collective import moshpit_bound_s, moshpit_config, stage
 from ._join import resolve_join
 from ._microbatch import MicrobatchLoop, MicrobatchReport, TauSpec
 from ._peer_core import PeerCore
+from ._replicas import ReplicaCheck
 from ._route_optim import route_average
 from .averaging.allreduce import LossyAllReduce
 from .averaging.chunks import FlatBuffer
@@ -259,6 +260,54 @@ class Peer(PeerCore):
             raise ConfigError("a shared route may have at most 4096 waypoints; share less ahead")
         assert self._route is not None
         self._call(self._route.configure(route, radio, schedule, route_time))
+
+    # ------------------------------------------------------------------ replicas
+    def replicas_agree(self, timeout: float | None = None) -> ReplicaCheck:
+        """Whether every alive peer's replica is the same as ours at the last resync.
+
+        The optimizer (``net.optimizer``) hashes its parameters after every resync
+        and announces the digest in its heartbeats; this compares the alive peers'
+        digests for our latest resync, waiting up to ``timeout`` seconds (default:
+        two heartbeat intervals and a half) for those not heard yet.  A peer that
+        the others outvote repairs itself at its next step (the report's
+        ``extra["replica_repaired"]``).  For a check at the end of training, call
+        ``opt.resync()`` first: between resyncs replicas differ by design where
+        broadcasts were lost.
+
+        Returns:
+            A :class:`gossipnet.ReplicaCheck`, truthy when all agree; ``disagree``
+            and ``missing`` name the peers that differ or did not report.
+
+        Raises:
+            ConfigError: no resync has run on this peer yet (nothing to compare).
+        """
+        hb = self.config.heartbeat_interval_s
+        t = 2.5 * hb if timeout is None else timeout
+        check = self._call(self._await_digests(t), t + 30)
+        if check.round_id is None:
+            raise ConfigError(
+                "replicas_agree() compares the parameter digests that net.optimizer"
+                " announces after each resync, and none has run here yet: call"
+                " opt.resync() (or train past step 0) first"
+            )
+        return check
+
+    def replica_check(self) -> ReplicaCheck:
+        """The current digest verdict, without waiting (see :meth:`replicas_agree`)."""
+        return self._call(self._verdict())
+
+    async def _verdict(self) -> ReplicaCheck:
+        assert self._replicas is not None
+        return self._replicas.verdict(self._node.alive_peers())
+
+    async def _await_digests(self, timeout_s: float) -> ReplicaCheck:
+        clock = self._node.clock
+        deadline = clock.now() + timeout_s
+        while True:
+            check = await self._verdict()
+            if not check.missing or check.round_id is None or clock.now() >= deadline:
+                return check
+            await clock.sleep(min(self.config.heartbeat_interval_s / 4, timeout_s))
 
     def _flat_for(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
         """The cached flat buffer for ``tensors``' layout (also used by route averaging)."""

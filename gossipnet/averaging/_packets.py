@@ -29,6 +29,7 @@ __all__ = (
     "ALLREDUCE_KINDS",
     "COPY_LAG",
     "MOSHPIT_KINDS",
+    "OPTIMIZER_KINDS",
     "YIELD_EVERY",
     "EngineKinds",
     "Send",
@@ -62,6 +63,9 @@ class EngineKinds:
 
 
 ALLREDUCE_KINDS = EngineKinds(Kind.RS_DATA, Kind.AG_DATA, Kind.RS_END, Kind.AG_END, Kind.REPAIR)
+OPTIMIZER_KINDS = EngineKinds(
+    Kind.OPT_RS_DATA, Kind.OPT_AG_DATA, Kind.OPT_RS_END, Kind.OPT_AG_END, Kind.OPT_REPAIR
+)
 MOSHPIT_KINDS = EngineKinds(
     Kind.MOSH_RS_DATA, Kind.MOSH_AG_DATA, Kind.MOSH_RS_END, Kind.MOSH_AG_END, Kind.MOSH_REPAIR
 )

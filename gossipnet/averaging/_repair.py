@@ -88,7 +88,15 @@ def serve_repair(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
             continue
         _, count = plan.chunk(c)
         span = plan.byte_slice(c)
-        fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
+        fields = {
+            "r": rnd.r,
+            "m": rnd.mode,
+            "L": rnd.layout,
+            "b": b,
+            "c": c,
+            "dt": code,
+            "n": count,
+        }
         if engine.node.send(
             pkt.src, engine.k.ag_data, fields, raw[span.start - base : span.stop - base]
         ):

@@ -18,6 +18,7 @@ import torch
 
 from ..rounds import CollectiveReport
 from ..transport.wire import Packet
+from ._round_id import layout_of
 from .chunks import ChunkPlan, ShardMap
 
 __all__ = ("BufferPool", "OwnedShard", "Phase", "Round")
@@ -151,6 +152,13 @@ class Round:
             for b, cb in zip(self.src, chunk_bytes, strict=True)
         ]
         self.maps = [ShardMap(plan, participants) for plan in self.plans]
+        # what every data packet carries so that no other layout is mixed in (._round_id)
+        self.layout, self.layout_desc = layout_of(self.plans)
+        self.ident = {"r": r, "m": mode, "L": self.layout}  # opens every packet's fields
+        # members heard only in other rounds (latest id), and members whose packets
+        # carried another layout (their fingerprint): see ._round_id.alignment
+        self.elsewhere: dict[str, int] = {}
+        self.layout_conflicts: dict[str, int] = {}
         self.owned = [m.chunks_of(me) for m in self.maps]
         self.pool = pool or BufferPool()
         self.parity = self.pool.next_round()

@@ -58,7 +58,16 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
         plan = rnd.plans[b]
         raw, code = raws[b], codes[b]
         _, count = plan.chunk(c)
-        fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "w": weight, "dt": code, "n": count}
+        fields = {
+            "r": rnd.r,
+            "m": rnd.mode,
+            "L": rnd.layout,
+            "b": b,
+            "c": c,
+            "w": weight,
+            "dt": code,
+            "n": count,
+        }
         if (owner, b) in fec:
             fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
         frames = node.encode_for((owner,), kind, fields, raw[plan.byte_slice(c)])
@@ -88,7 +97,7 @@ async def _send_rs_parity(
             if owner == rnd.me or not len(chunks):
                 continue
             span = slice(plan.byte_slice(chunks.start).start, plan.byte_slice(chunks.stop - 1).stop)
-            fields = {"r": rnd.r, "m": rnd.mode, "w": weight}
+            fields = {**rnd.ident, "w": weight}
             kind = engine.k.rs_data
             rnd.sent += send_parity(engine, rnd, kind, (owner,), b, chunks, raws[b][span], fields)
             await asyncio.sleep(0)
@@ -106,7 +115,13 @@ def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
     lossy = int(engine.loss.recent)
     for peer in rnd.participants:
         if peer != rnd.me:
-            end = {"r": rnd.r, "m": rnd.mode, "n": rnd.rs_sent_to[peer], "l": lossy}
+            end = {
+                "r": rnd.r,
+                "m": rnd.mode,
+                "L": rnd.layout,
+                "n": rnd.rs_sent_to[peer],
+                "l": lossy,
+            }
             frames = node.codec.encode(engine.k.rs_end, end)
             for _ in range(copies):
                 node.send_frames((peer,), frames)

@@ -35,11 +35,17 @@ Parity (``Config.parity_group`` = k > 0, :mod:`._parity`): one XOR packet per
 k data packets recovers any one lost packet of its group, at 1/k the traffic;
 the lossy optimizer turns it on by default (``Config.parity_for``).
 
-Rounds: peers call collectives in lockstep; round ``r`` is the larger of
-our own next round and the highest one any peer announced (data packets,
-heartbeat beacons), so a restarted or late peer catches up in one call.
-Packets for a round we have not started yet are buffered (bounded); older
-ones are dropped and counted as late.
+Rounds: a caller that knows what its round is passes its id (the optimizer:
+a function of the training step, :mod:`._round_id`), so peers pair rounds by
+what they are, never by how many calls each made.  Plain calls (no id) take
+the larger of our own next round and the highest one any peer announced
+(data packets, heartbeat beacons), so a restarted or late peer catches up in
+one call.  Every data and END packet carries the round id, its mode and a
+layout fingerprint: a packet of another mode or layout is never mixed in
+(counted; a layout that differs raises ``LayoutMismatchError`` after the
+round).  Packets for a round we have not started yet are buffered (bounded);
+older ones are dropped and counted as late.  Round ids and modes from headers
+are range-checked before use (``._round_id.valid_round``).
 
 Layout: this module is the engine, i.e. the state kept across rounds (round
 numbers, early packets, learned spans, the END-copy policy), the round driver
@@ -69,6 +75,7 @@ from ._loss_watch import LossWatch
 from ._packets import ALLREDUCE_KINDS, MOSHPIT_KINDS, EngineKinds
 from ._parity import MAX_GROUP
 from ._round import BufferPool, OwnedShard, Round
+from ._round_id import MAX_LAYOUT_DESC, Alignment, alignment, layout_error, valid_mode, valid_round
 from ._scatter import announce_rs_end, finish_rs, on_rs, send_rs
 from ._stale_step import StaleStep
 from .broadcast import all_gather, on_ag
@@ -112,6 +119,10 @@ class LossyAllReduce:
         self._pool = BufferPool()
         self.loss = LossWatch()  # recent loss, ours and our peers': END copies, parity
         self.dropped: collections.Counter[str] = collections.Counter()
+        # each peer's latest layout (fingerprint, description) from its heartbeats, to
+        # name both layouts when a round hears another one
+        self.peer_layouts: dict[str, tuple[int, str]] = {}
+        self._layout_key = tag + ".L"
         for kind in kinds.all():
             node.subscribe(kind, self._on_packet)
         node.on_heartbeat(self._on_heartbeat)
@@ -134,6 +145,7 @@ class LossyAllReduce:
         redundancy: int | None = None,
         stale_step: StaleStep | None = None,
         parity_group: int | None = None,
+        round_id: int | None = None,
     ) -> CollectiveReport:
         """One round: reduce-scatter ``src``, then all-gather into ``dst`` (default ``src``).
 
@@ -160,10 +172,20 @@ class LossyAllReduce:
                 them: see :mod:`._stale_step`; the report's ``extra["estimated"]``.
             parity_group: XOR parity group size while loss is seen (default
                 ``Config.parity_for(optimizer=False)``); 0 for none.
+            round_id: what this round is, the same on every peer (the optimizer's:
+                :func:`._round_id.optimizer_round`); above every id run before.
+                Default: the next call, caught up to the highest round announced.
 
         Returns:
             The :class:`CollectiveReport` of the round; network faults never raise.
+            ``extra["ahead"]`` / ``extra["behind"]``: members heard only in later /
+            earlier rounds (see :meth:`alignment`).
+
+        Raises:
+            LayoutMismatchError: a participant's packets carried another tensor layout.
         """
+        if round_id is not None and not valid_round(round_id):
+            raise ValueError(f"round_id must be an int in [0, 2**53), got {round_id!r}")
         if redundancy is not None and not (isinstance(redundancy, int) and redundancy >= 1):
             raise ValueError(f"redundancy must be an int >= 1, got {redundancy!r}")
         if parity_group is not None and not (
@@ -190,6 +212,7 @@ class LossyAllReduce:
                 redundancy,
                 stale_step,
                 parity_group,
+                round_id,
             )
 
     # ------------------------------------------------------------------ the round
@@ -206,11 +229,14 @@ class LossyAllReduce:
         redundancy: int | None,
         stale_step: StaleStep | None,
         parity_group: int | None,
+        round_id: int | None,
     ) -> CollectiveReport:
         node, clock = self.node, self.node.clock
         t0 = clock.now()
         deadline = t0 + timeout_s
-        rnd = self._start_round(src, dst, weight, participants, mode, redundancy, not repair)
+        rnd = self._start_round(
+            src, dst, weight, participants, mode, redundancy, not repair, round_id
+        )
         if parity_group is None:
             parity_group = node.config.parity_for(optimizer=False)
         rnd.fec_k = self.loss.parity_group(
@@ -235,6 +261,11 @@ class LossyAllReduce:
             if stale_step is not None:  # chunks_stale still counts them: not delivered
                 report.extra["estimated"] = float(stale_step.apply(rnd))
             self._note_loss(report)
+            align = self.alignment(rnd)
+            report.extra["ahead"] = float(len(align.ahead))
+            report.extra["behind"] = float(len(align.behind))
+            if rnd.layout_conflicts:
+                raise await self._layout_error(rnd)
             return report
         finally:
             rnd.fec_held.clear()  # frees the received frames kept for parity
@@ -251,6 +282,7 @@ class LossyAllReduce:
         mode: int,
         redundancy: int | None,
         in_place: bool = False,
+        round_id: int | None = None,
     ) -> Round:
         """Pick the round number and view, make the round current, drop older buffers.
 
@@ -259,7 +291,12 @@ class LossyAllReduce:
         from memory the caller must not have changed since.
         """
         node = self.node
-        r = max(self.next_round, self.max_seen)
+        if round_id is None:
+            r = max(self.next_round, self.max_seen)
+        elif round_id < self.next_round:
+            raise ValueError(f"round id {round_id} was already run (next is {self.next_round})")
+        else:
+            r = round_id
         parts = tuple(sorted(participants)) if participants else tuple(node.alive_peers())
         rnd = Round(
             r, node.peer_id, parts, src, dst, weight, self._chunk_sizes(src, len(parts)), mode,
@@ -269,6 +306,7 @@ class LossyAllReduce:
         self._round = rnd
         self.next_round = r + 1
         node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it
+        node.beacon[self._layout_key] = [rnd.layout, rnd.layout_desc]
         for stale in [k for k in self._buffered if k < r]:
             self._nbuffered -= len(self._buffered.pop(stale))
         return rnd
@@ -329,8 +367,8 @@ class LossyAllReduce:
 
     # ------------------------------------------------------------------ receiving
     def _on_packet(self, pkt: Packet) -> None:
-        r = pkt.fields.get("r")
-        if not isinstance(r, int):
+        r, mode = pkt.fields.get("r"), pkt.fields.get("m", 0)
+        if not valid_round(r) or not valid_mode(mode):
             self.dropped["bad_round"] += 1
             return
         rnd = self._round
@@ -351,8 +389,11 @@ class LossyAllReduce:
                 rnd.ag.passed(pkt.src, now)
             elif pkt.kind in (self.k.ag_data, self.k.ag_end):  # its reduce-scatter is sent
                 rnd.rs.passed(pkt.src, now)
+        if rnd is not None and pkt.src in rnd.members and (r != rnd.r or mode != rnd.mode):
+            # heard in another round: behind or ahead of us, unless it shows up here too
+            rnd.elsewhere[pkt.src] = max(r, rnd.elsewhere.get(pkt.src, -1))
         if rnd is not None and r == rnd.r:
-            if pkt.fields.get("m", 0) != rnd.mode:
+            if mode != rnd.mode:
                 self.dropped["mode_mismatch"] += 1
                 return
             self._dispatch(rnd, pkt)
@@ -375,6 +416,13 @@ class LossyAllReduce:
             # outside this round's view (a Moshpit peer of another group, a peer that
             # joined after we started): its layout is not ours and no phase expects it
             self.dropped["not_participant"] += 1
+            return
+        layout = pkt.fields.get("L")
+        if layout != rnd.layout:
+            if type(layout) is not int:  # malformed (a forgery or a bug): not a layout
+                self.dropped["bad_layout"] += 1
+                return
+            self._layout_conflict(rnd, pkt, layout)
             return
         kind = pkt.kind
         if kind == self.k.rs_data:
@@ -419,17 +467,83 @@ class LossyAllReduce:
 
     def _on_heartbeat(self, pkt: Packet) -> None:
         self._peer_loss_flag(pkt)
+        lay = pkt.fields.get(self._layout_key)
+        if (
+            isinstance(lay, list)
+            and len(lay) == 2
+            and type(lay[0]) is int
+            and isinstance(lay[1], str)
+            and len(lay[1]) <= MAX_LAYOUT_DESC
+        ):
+            self.peer_layouts[pkt.src] = (lay[0], lay[1])
         nxt = pkt.fields.get(self.tag)
-        if not isinstance(nxt, int):
+        if nxt is None:
+            return
+        if not valid_round(nxt):
+            self.dropped["bad_round"] += 1
             return
         if nxt > self.max_seen:
             self.max_seen = nxt
         rnd = self._round
+        if rnd is not None and nxt != rnd.r and pkt.src in rnd.members:
+            rnd.elsewhere[pkt.src] = max(nxt, rnd.elsewhere.get(pkt.src, -1))
         if rnd is not None and nxt > rnd.r and pkt.src in rnd.members:
             # its beacon names the round after ours: it finished ours
             now = self.node.clock.now()
             rnd.rs.passed(pkt.src, now)
             rnd.ag.passed(pkt.src, now)
+
+    # ------------------------------------------------------------------ identity
+    async def rewind(self, round_id: int) -> None:
+        """Make ``round_id`` the next round again (a caller restored an older state,
+        e.g. the optimizer loaded a checkpoint); forget what was buffered after it."""
+        if not valid_round(round_id):
+            raise ValueError(f"round_id must be an int in [0, 2**53), got {round_id!r}")
+        async with self._lock:
+            self.next_round = round_id
+            self.max_seen = min(self.max_seen, round_id - 1)
+            self._buffered.clear()
+            self._nbuffered = 0
+            self._last = None
+
+    def alignment(self, rnd: Round | None = None) -> Alignment:
+        """Who shared round ``rnd`` (default: the last) and who was heard elsewhere."""
+        rnd = rnd if rnd is not None else self._last
+        if rnd is None:
+            return alignment(self.node.peer_id, set(), {}, self.next_round)
+        heard = set(rnd.rs.received) | set(rnd.ag.received) | rnd.rs.done | rnd.ag.done
+        return alignment(rnd.me, heard, rnd.elsewhere, rnd.r)
+
+    def _layout_conflict(self, rnd: Round, pkt: Packet, layout: int) -> None:
+        """A member's packet for our round carries another layout: never mix it in;
+        stop waiting for that member, and raise once the round is over."""
+        self.dropped["layout_mismatch"] += 1
+        if pkt.src in rnd.layout_conflicts:
+            return
+        rnd.layout_conflicts[pkt.src] = layout
+        for phase in (rnd.rs, rnd.ag):
+            phase.expected.discard(pkt.src)
+            phase.wake.set()
+
+    async def _layout_error(self, rnd: Round) -> Exception:
+        """The error naming each conflicting peer's layout, once its heartbeat said it
+        (waiting at most two heartbeat intervals; else its fingerprint)."""
+        node = self.node
+        deadline = node.clock.now() + 2 * node.config.heartbeat_interval_s
+
+        def theirs() -> dict[str, str]:
+            out = {}
+            for p, fp in rnd.layout_conflicts.items():
+                known = self.peer_layouts.get(p)
+                out[p] = known[1] if known and known[0] == fp else ""
+            return out
+
+        while not all(theirs().values()) and node.clock.now() < deadline:
+            await node.clock.sleep(node.config.heartbeat_interval_s / 4)
+        named = {
+            p: d or f"fingerprint {rnd.layout_conflicts[p]:#010x}" for p, d in theirs().items()
+        }
+        return layout_error(node.peer_id, rnd.layout_desc, named)
 
     def _on_membership(self, event: str, peer: str) -> None:
         rnd = self._round

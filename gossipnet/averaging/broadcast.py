@@ -119,7 +119,15 @@ async def send_ag(
             _, count = plan.chunk(c)
             span = plan.byte_slice(c)
             payload = raw[span.start - base : span.stop - base]
-            fields = {"r": rnd.r, "m": rnd.mode, "b": b, "c": c, "dt": code, "n": count}
+            fields = {
+                "r": rnd.r,
+                "m": rnd.mode,
+                "L": rnd.layout,
+                "b": b,
+                "c": c,
+                "dt": code,
+                "n": count,
+            }
             # one encoding (one MAC) for every destination
             frames = node.encode_for(others, kind, fields, payload)
             rnd.sent += node.send_frames(others, frames)
@@ -133,7 +141,7 @@ async def send_ag(
                 await asyncio.sleep(0)
         # parity over the whole range, so only where every chunk of it was sent
         if rnd.fec_k and bool((shard.weights > 0).all()) and len(owned):
-            fields = {"r": rnd.r, "m": rnd.mode}
+            fields = dict(rnd.ident)
             rnd.sent += send_parity(engine, rnd, kind, others, b, owned, raw, fields)
     await send_copies(node, rnd, copies)
     ends = engine._end_copies(rnd)
@@ -148,7 +156,13 @@ def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
         return
     node = engine.node
     others = [p for p in rnd.participants if p != rnd.me]
-    end = {"r": rnd.r, "m": rnd.mode, "n": rnd.ag_chunks_sent, "l": int(engine.loss.recent)}
+    end = {
+        "r": rnd.r,
+        "m": rnd.mode,
+        "L": rnd.layout,
+        "n": rnd.ag_chunks_sent,
+        "l": int(engine.loss.recent),
+    }
     frames = node.codec.encode(engine.k.ag_end, end)
     for _ in range(copies):
         node.send_frames(others, frames)

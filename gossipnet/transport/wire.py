@@ -103,6 +103,13 @@ class Kind(IntEnum):
     RS_END = 20
     AG_END = 21
     REPAIR = 22
+    # the optimizer's own engine (gradient rounds and resyncs, numbered by training
+    # step), apart from plain ``all_reduce`` calls so the two never mix
+    OPT_RS_DATA = 23
+    OPT_AG_DATA = 24
+    OPT_RS_END = 25
+    OPT_AG_END = 26
+    OPT_REPAIR = 27
     MOSH_JOIN = 32
     MOSH_GROUP = 33
     MOSH_RS_DATA = 34

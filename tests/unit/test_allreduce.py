@@ -21,6 +21,7 @@ import torch
 
 from gossipnet import CollectiveReport, Config, FakeClock, FaultPlan
 from gossipnet._node import Node
+from gossipnet.averaging._round_id import layout_of
 from gossipnet.averaging.allreduce import END_COPIES, LossyAllReduce, OwnedShard
 from gossipnet.averaging.chunks import ChunkPlan, ShardMap
 from gossipnet.clock import Clock
@@ -683,8 +684,12 @@ def test_a_late_or_restarted_peer_catches_up_in_one_call(
 
 # --------------------------------------------------------------------------- bad packets
 def chunk_fields(r: int, c: int, numel: int = NUMEL) -> dict[str, Any]:
-    _, count = ChunkPlan(numel, torch.float32, CHUNK_BYTES).chunk(c)
-    return {"r": r, "b": 0, "c": c, "w": 1.0, "dt": "f32", "n": count}
+    """A data packet's fields for round ``r`` of a plain ``all_reduce`` of ``numel``
+    float32 elements (with the layout fingerprint such a round carries)."""
+    plan = ChunkPlan(numel, torch.float32, CHUNK_BYTES)
+    _, count = plan.chunk(c)
+    layout, _ = layout_of([plan])
+    return {"r": r, "m": 0, "L": layout, "b": 0, "c": c, "w": 1.0, "dt": "f32", "n": count}
 
 
 @pytest.mark.timeout(15)

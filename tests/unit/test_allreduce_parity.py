@@ -18,6 +18,7 @@ import torch
 
 from gossipnet import CollectiveReport, Config, ConfigError, FakeClock, FaultPlan
 from gossipnet.averaging._parity import group_count, members, parities, recover
+from gossipnet.averaging._round_id import layout_of
 from gossipnet.averaging.allreduce import LossyAllReduce
 from gossipnet.averaging.chunks import ChunkPlan, ShardMap
 from gossipnet.clock import Clock
@@ -217,7 +218,8 @@ def test_forged_parity_is_counted_and_harmless(
         clock = FakeClock()
         async with cluster(N, config=cfg.replace(parity_group=0), clock=clock) as nodes:
             engines = [LossyAllReduce(n) for n in nodes]
-            head = {"r": 0, "m": 0, "b": 0, "w": 1.0, "n": payload_bytes, **fields}
+            layout, _ = layout_of([ChunkPlan(NUMEL, torch.float32, CHUNK_BYTES)])
+            head = {"r": 0, "m": 0, "L": layout, "b": 0, "w": 1.0, "n": payload_bytes, **fields}
             assert nodes[1].send("p0", Kind.RS_DATA, head, b"\xff" * payload_bytes)
             inputs = [torch.full((NUMEL,), float(i)) for i in range(N)]
             reports = await allreduce(drive, clock, engines, inputs)
