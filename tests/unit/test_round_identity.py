@@ -76,11 +76,10 @@ def _train(
 def test_round_ids_follow_the_step() -> None:
     assert optimizer_round(7, GRADIENTS) == 23
     assert step_of_round(optimizer_round(7, GRADIENTS)) == 7
-    assert valid_round(0) and valid_round(2**53 - 1)
-    assert not valid_round(2**53) and not valid_round(-1) and not valid_round(True)
+    assert [valid_round(x) for x in (0, 2**53 - 1, 2**53, -1, True)] == [1, 1, 0, 0, 0]
     a = alignment("me", {"x"}, {"y": 50, "z": 2}, 10)
-    assert a.in_sync == {"me", "x"} and a.ahead == {"y": 50} and a.behind == {"z": 2}
-    assert not a.we_are_behind and not a.we_are_ahead
+    assert (a.in_sync, a.ahead, a.behind) == ({"me", "x"}, {"y": 50}, {"z": 2})
+    assert (a.we_are_behind, a.we_are_ahead) == (False, False)
     assert alignment("me", set(), {"y": 50}, 10).we_are_behind  # two peers: progress wins
     assert not alignment("me", set(), {"y": 5}, 10).we_are_ahead
 
@@ -100,7 +99,8 @@ def test_a_peer_frozen_past_the_failure_timeout_realigns() -> None:
 
     out = run_peers(3, body, **FAST)
     realigned = [sum(r.extra.get("realigned", 0.0) for r in o[1]) for o in out]
-    assert realigned[2] >= 1 and realigned[0] == realigned[1] == 0, realigned
+    assert realigned[2] >= 1, realigned
+    assert realigned[0] == realigned[1] == 0, realigned
     assert len(out[2][1]) < len(out[0][1])  # it skipped the steps it missed
     finals = [o[0] for o in out]
     assert all(torch.equal(finals[0], f) for f in finals[1:])
@@ -141,7 +141,8 @@ def test_a_replica_outvoted_after_a_resync_repairs_itself(monkeypatch: Any) -> N
     out = run_peers(3, body, **FAST)
     assert corrupted
     repaired = [sum(r.extra.get("replica_repaired", 0.0) for r in o[1]) for o in out]
-    assert repaired[2] >= 1 and repaired[0] == repaired[1] == 0, repaired
+    assert repaired[2] >= 1, repaired
+    assert repaired[0] == repaired[1] == 0, repaired
     disagree = [max(r.extra.get("replicas_disagree", 0.0) for r in o[1]) for o in out]
     assert disagree == [1.0, 1.0, 1.0], disagree  # every peer saw it and said so
     finals = [o[0] for o in out]
@@ -169,8 +170,10 @@ def test_another_layout_raises_naming_the_peer_and_both_layouts() -> None:
         return str(err.value)
 
     msgs = run_peers(2, body, **FAST)
-    assert "p1: f32[1200]" in msgs[0] and "Ours: f32[1000]" in msgs[0], msgs[0]
-    assert "p0: f32[1000]" in msgs[1] and "Ours: f32[1200]" in msgs[1], msgs[1]
+    expected = (("p1: f32[1200]", 1000), ("p0: f32[1000]", 1200))
+    for msg, (theirs, ours) in zip(msgs, expected, strict=True):
+        assert theirs in msg, msg
+        assert f"Ours: f32[{ours}]" in msg, msg
 
 
 def test_another_layout_in_the_optimizer_raises_too() -> None:
@@ -183,7 +186,8 @@ def test_another_layout_in_the_optimizer_raises_too() -> None:
         return str(err.value)
 
     msgs = run_peers(2, body, **FAST)
-    assert "p1" in msgs[0] and "p0" in msgs[1]
+    assert "p1" in msgs[0]
+    assert "p0" in msgs[1]
 
 
 @pytest.mark.parametrize("where", ["data", "heartbeat"])
