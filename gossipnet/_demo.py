@@ -82,11 +82,20 @@ def _barrier(net: Peer, cfg: DemoConfig) -> None:
     net.all_reduce([torch.zeros(cfg.peers * (cfg.chunk_bytes or 65536) // 4)], timeout=2.0)
 
 
-def _exchange(net: Peer, cfg: DemoConfig, model: CharLM, base: torch.optim.Optimizer) -> Any:
-    """``cfg.strategy``'s per-step exchange as one callable ``step -> CollectiveReport``."""
+def _exchange(
+    net: Peer, cfg: DemoConfig, model: CharLM, base: torch.optim.Optimizer
+) -> tuple[Callable[[int], CollectiveReport], Callable[[], bool | None]]:
+    """``cfg.strategy``'s per-step exchange ``step -> CollectiveReport``, and its
+    ``finish``: a last resync and the replica-digest verdict (None: the strategy has
+    no resync, so only the replicas' eval losses can be compared)."""
     if cfg.strategy == "allreduce":
         opt = net.optimizer(base, strategy="allreduce")
-        return lambda step: opt.step()
+
+        def finish() -> bool:
+            opt.resync()  # replicas must now be bit-identical: check, do not assume
+            return bool(net.replicas_agree(timeout=5.0))
+
+        return (lambda step: opt.step()), finish
     params = list(model.parameters())
 
     def grads_then_step(step: int) -> CollectiveReport:
@@ -94,7 +103,7 @@ def _exchange(net: Peer, cfg: DemoConfig, model: CharLM, base: torch.optim.Optim
         base.step()
         return rep
 
-    return grads_then_step
+    return grads_then_step, lambda: None
 
 
 def _setup(
@@ -138,7 +147,7 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
         collective_timeout_s=cfg.timeout_s,
         **overrides,
     ) as net:
-        exchange = _exchange(net, cfg, model, base)
+        exchange, finish = _exchange(net, cfg, model, base)
         _barrier(net, cfg)
         out.put(("ready", run, rank, time.monotonic()))
         parent = mp.parent_process()
@@ -159,7 +168,11 @@ def _train(run: int, rank: int, cfg: DemoConfig, addrs: list[str], out: Any) -> 
                 rep.packets_received, rep.packets_lost, len(rep.contributors), rep.chunks_stale,
                 rep.elapsed_s, time.perf_counter() - t0, rep.timed_out,
             )))  # fmt: skip
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            if step + 1 == cfg.steps:
+                agree = finish()
+                rec = EvalRecord(rank, step + 1, evaluate(model, held_out), agree)
+                out.put(("eval", run, rec))
+            elif (step + 1) % cfg.eval_every == 0:
                 out.put(("eval", run, EvalRecord(rank, step + 1, evaluate(model, held_out))))
         _barrier(net, cfg)
     out.put(("done", run, rank, time.monotonic()))

@@ -160,6 +160,9 @@ class EvalRecord:
     rank: int
     step: int
     eval_loss: float
+    #: at the last step: whether the replica digests agreed after a final resync
+    #: (None: the strategy has no resync, or an intermediate evaluation)
+    digests_agree: bool | None = None
 
 
 @dataclass(slots=True)
@@ -178,6 +181,37 @@ class DemoResult:
         for e in self.evals:
             by_step.setdefault(e.step, []).append(e.eval_loss)
         return [(s, sum(v) / len(v)) for s, v in sorted(by_step.items())]
+
+    def final_evals(self) -> list[EvalRecord]:
+        """Every peer's evaluation at the last evaluated step."""
+        last = max((e.step for e in self.evals), default=-1)
+        return sorted((e for e in self.evals if e.step == last), key=lambda e: e.rank)
+
+    @property
+    def final_spread(self) -> tuple[float, float]:
+        """(min, max) of the replicas' final eval losses."""
+        losses = [e.eval_loss for e in self.final_evals()] or [float("nan")]
+        return min(losses), max(losses)
+
+    def disagreement(self) -> str | None:
+        """Why the replicas cannot be trusted to be one model, or None.
+
+        With a resync (the optimizer strategy) they must be bit-identical: digests
+        agree and the eval losses are equal.  Without one (``grads``) lost chunks
+        leave small differences by design: more than 1% relative spread is wrong.
+        """
+        finals = self.final_evals()
+        if len(finals) < self.config.peers:
+            return f"{len(finals)} of {self.config.peers} peers reported a final evaluation"
+        lo, hi = self.final_spread
+        if any(e.digests_agree is False for e in finals):
+            bad = [e.rank for e in finals if e.digests_agree is False]
+            return f"replica digests disagree after the final resync (seen by peers {bad})"
+        exact = all(e.digests_agree for e in finals)
+        limit = 1e-9 if exact else 0.01 * abs(lo)
+        if hi - lo > limit:
+            return f"replicas' eval losses differ: min {lo:.5f}, max {hi:.5f} nats/char"
+        return None
 
     @property
     def final_eval_loss(self) -> float:

@@ -280,8 +280,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         for bar in bars:
             bar.close()
     for res in runs:
+        lo, hi = res.final_spread
         print(
-            f"{res.config.label()}: final eval loss {res.final_eval_loss:.4f} nats/char, "
+            f"{res.config.label()}: final eval loss {res.final_eval_loss:.4f} nats/char "
+            f"(replicas min {lo:.4f}, max {hi:.4f}), "
             f"perplexity {res.final_ppl:.3f}, packets lost {100 * res.lost_fraction:.1f}%, "
             f"{res.wall_s:.1f} s ({res.startup_s:.1f} s start-up)"
         )
@@ -296,7 +298,10 @@ def _run_demo(args: argparse.Namespace) -> int:
     if len(runs) == 2:
         rel = runs[1].final_ppl / runs[0].final_ppl - 1.0
         print(f"perplexity {runs[1].config.label()} vs lossless: {100 * rel:+.2f}%")
-    return 0
+    bad = [(res.config.label(), why) for res in runs if (why := res.disagreement())]
+    for label, why in bad:
+        print(f"gossipnet demo: {label}: {why}: the replicas are not one model", file=sys.stderr)
+    return 3 if bad else 0
 
 
 # ---------------------------------------------------------------------- bench
