@@ -75,7 +75,15 @@ from ._loss_watch import LossWatch
 from ._packets import ALLREDUCE_KINDS, MOSHPIT_KINDS, EngineKinds
 from ._parity import MAX_GROUP
 from ._round import BufferPool, OwnedShard, Round
-from ._round_id import MAX_LAYOUT_DESC, Alignment, alignment, layout_error, valid_mode, valid_round
+from ._round_id import (
+    MAX_LAYOUT_DESC,
+    Alignment,
+    alignment,
+    layout_conflict,
+    layout_failure,
+    valid_mode,
+    valid_round,
+)
 from ._scatter import announce_rs_end, finish_rs, on_rs, send_rs
 from ._stale_step import StaleStep
 from .broadcast import all_gather, on_ag
@@ -265,7 +273,7 @@ class LossyAllReduce:
             report.extra["ahead"] = float(len(align.ahead))
             report.extra["behind"] = float(len(align.behind))
             if rnd.layout_conflicts:
-                raise await self._layout_error(rnd)
+                raise await layout_failure(self, rnd)
             return report
         finally:
             rnd.fec_held.clear()  # frees the received frames kept for parity
@@ -422,7 +430,7 @@ class LossyAllReduce:
             if type(layout) is not int:  # malformed (a forgery or a bug): not a layout
                 self.dropped["bad_layout"] += 1
                 return
-            self._layout_conflict(rnd, pkt, layout)
+            layout_conflict(self, rnd, pkt, layout)
             return
         kind = pkt.kind
         if kind == self.k.rs_data:
@@ -513,37 +521,6 @@ class LossyAllReduce:
             return alignment(self.node.peer_id, set(), {}, self.next_round)
         heard = set(rnd.rs.received) | set(rnd.ag.received) | rnd.rs.done | rnd.ag.done
         return alignment(rnd.me, heard, rnd.elsewhere, rnd.r)
-
-    def _layout_conflict(self, rnd: Round, pkt: Packet, layout: int) -> None:
-        """A member's packet for our round carries another layout: never mix it in;
-        stop waiting for that member, and raise once the round is over."""
-        self.dropped["layout_mismatch"] += 1
-        if pkt.src in rnd.layout_conflicts:
-            return
-        rnd.layout_conflicts[pkt.src] = layout
-        for phase in (rnd.rs, rnd.ag):
-            phase.expected.discard(pkt.src)
-            phase.wake.set()
-
-    async def _layout_error(self, rnd: Round) -> Exception:
-        """The error naming each conflicting peer's layout, once its heartbeat said it
-        (waiting at most two heartbeat intervals; else its fingerprint)."""
-        node = self.node
-        deadline = node.clock.now() + 2 * node.config.heartbeat_interval_s
-
-        def theirs() -> dict[str, str]:
-            out = {}
-            for p, fp in rnd.layout_conflicts.items():
-                known = self.peer_layouts.get(p)
-                out[p] = known[1] if known and known[0] == fp else ""
-            return out
-
-        while not all(theirs().values()) and node.clock.now() < deadline:
-            await node.clock.sleep(node.config.heartbeat_interval_s / 4)
-        named = {
-            p: d or f"fingerprint {rnd.layout_conflicts[p]:#010x}" for p, d in theirs().items()
-        }
-        return layout_error(node.peer_id, rnd.layout_desc, named)
 
     def _on_membership(self, event: str, peer: str) -> None:
         rnd = self._round
