@@ -6,7 +6,8 @@ replicas must be bit-identical.  That was assumed, not checked, and a peer
 that ran one round off the others stayed wrong for a whole run while every
 report looked healthy.  Now the optimizer hashes its parameters after every
 resync (BLAKE2b-64 of the flat buckets' bytes, off the event loop: hashlib
-releases the GIL) and announces ``[round id, digest]`` in its heartbeats.
+releases the GIL) and announces ``[round id, digest]`` (a packet to each peer at once, then in
+its heartbeats).
 Each peer compares what it hears for the same resync; a peer whose digest is
 in the minority downloads the majority's state (``GossipOptimizer``), and
 ``net.replicas_agree()`` tells the user.
@@ -28,7 +29,7 @@ import torch
 from ._node import Node
 from .averaging._round_id import valid_round
 from .averaging.chunks import as_bytes
-from .transport.wire import Packet
+from .transport.wire import Kind, Packet
 
 __all__ = ("DIGEST_KEY", "ReplicaCheck", "ReplicaDigests", "digest")
 
@@ -98,12 +99,18 @@ class ReplicaDigests:
         self.peers: dict[str, tuple[int, str]] = {}
         self.rejected = 0
         node.on_heartbeat(self._on_heartbeat)
+        node.subscribe(Kind.OPT_DIGEST, self._on_heartbeat)
         node.on_membership(self._on_membership)
 
     def publish(self, round_id: int, value: str) -> None:
-        """Announce our digest after resync ``round_id`` (in every heartbeat from now)."""
+        """Announce our digest after resync ``round_id``: at once to every alive peer,
+        then in every heartbeat (which repairs a lost first copy)."""
         self.ours = (round_id, value)
         self.node.beacon[DIGEST_KEY] = [round_id, value]
+        fields = {DIGEST_KEY: [round_id, value]}
+        for p in self.node.alive_peers():
+            if p != self.node.peer_id:
+                self.node.send(p, Kind.OPT_DIGEST, fields)
 
     def _on_heartbeat(self, pkt: Packet) -> None:
         raw = pkt.fields.get(DIGEST_KEY)

@@ -110,6 +110,7 @@ class Kind(IntEnum):
     OPT_RS_END = 25
     OPT_AG_END = 26
     OPT_REPAIR = 27
+    OPT_DIGEST = 28  # a replica digest after a resync, sent at once (also in heartbeats)
     MOSH_JOIN = 32
     MOSH_GROUP = 33
     MOSH_RS_DATA = 34
