@@ -13,7 +13,14 @@ from ._microbatch import MicrobatchReport
 from .averaging.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
 from .clock import Clock, FakeClock, MonotonicClock
 from .config import Config
-from .errors import ClosedError, ConfigError, GossipError, PeerUnreachable, ProtocolError
+from .errors import (
+    ClosedError,
+    ConfigError,
+    GossipError,
+    JoinError,
+    PeerUnreachable,
+    ProtocolError,
+)
 from .mobility.radio import RadioModel
 from .mobility.routes import Route
 from .optim import GossipOptimizer
@@ -38,6 +45,7 @@ __all__ = (
     "GilbertElliott",
     "GossipError",
     "GossipOptimizer",
+    "JoinError",
     "MicrobatchReport",
     "MonotonicClock",
     "Partition",
