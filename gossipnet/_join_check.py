@@ -92,11 +92,15 @@ def unauthenticated(suspects: Iterable[Suspect], run: str) -> dict[str, str]:
     return out
 
 
-def shortfall_details(snap: JoinSnapshot) -> tuple[str, tuple[str, ...], dict[str, str]]:
+def shortfall_details(
+    snap: JoinSnapshot, *, advice: bool = True
+) -> tuple[str, tuple[str, ...], dict[str, str]]:
     """(text, bootstrap addresses never heard from, unauthenticated senders).
 
     An address whose packets failed authentication is reported as such, not
-    also as silent: it did answer, with the wrong key.
+    also as silent: it did answer, with the wrong key.  ``advice`` False leaves
+    out what to check about a silent address (for the warning of a run that
+    chose to go on without it); failed authentication is always explained.
     """
     bad = unauthenticated(snap.suspects, snap.run)
     claimed = {s.addr for s in snap.suspects if s.addr is not None}
@@ -111,11 +115,13 @@ def shortfall_details(snap: JoinSnapshot) -> tuple[str, tuple[str, ...], dict[st
             "every peer of a run needs the same secret (join(secret=...) or GOSSIPNET_SECRET),"
             " Config.run and Config.mac"
         )
-    if missing:
+    if missing and advice:
         lines.append(
             f"no answer from {_listed(missing)}: is a peer running there, is the host:port"
             " right (the peer's listen address) and reachable from here (firewall, routes)?"
         )
+    elif missing:
+        lines.append(f"no answer from {_listed(missing)}")
     return "\n  ".join(lines), missing, bad
 
 

@@ -120,7 +120,7 @@ class PeerCore:
         snap = self._call(self._snapshot(expected_peers))
         if len(snap.alive) < minimum:
             raise join_error(snap)
-        text, _, _ = shortfall_details(snap)
+        text, _, _ = shortfall_details(snap, advice=False)
         log.warning("%s\n  going on with them (Config.min_peers=%d)", text, minimum)
 
     async def _snapshot(self, expected: int) -> JoinSnapshot:
