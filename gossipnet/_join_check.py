@@ -33,6 +33,7 @@ class JoinSnapshot:
 
     Attributes:
         peer_id: this peer.
+        address: this peer's advertised address.
         alive: ids of the peers alive, this one included, sorted.
         alive_addresses: their addresses.
         bootstrap: the addresses we said hello to (our own removed).
@@ -43,6 +44,7 @@ class JoinSnapshot:
     """
 
     peer_id: str
+    address: str
     alive: tuple[str, ...]
     alive_addresses: frozenset[str]
     bootstrap: tuple[str, ...]
@@ -122,6 +124,13 @@ def shortfall_details(
         )
     elif missing:
         lines.append(f"no answer from {_listed(missing)}")
+    if not missing and not bad and len(snap.alive) < snap.expected:
+        # e.g. torchrun's rank 0: it bootstraps from nobody, the others dial it
+        lines.append(
+            f"{snap.expected - len(snap.alive)} peer(s) never said hello: are they started,"
+            f" with {snap.address} among their peers (under torchrun:"
+            " MASTER_ADDR:MASTER_PORT+1), and can they reach it?"
+        )
     return "\n  ".join(lines), missing, bad
 
 

@@ -89,6 +89,7 @@ def test_suspect_claims_are_cut_short_and_odd_headers_kept_as_unknown() -> None:
 def snapshot(**kw: object) -> _join_check.JoinSnapshot:
     base: dict[str, object] = {
         "peer_id": "a",
+        "address": "tcp://h:1",
         "alive": ("a",),
         "alive_addresses": frozenset({"tcp://h:1"}),
         "bootstrap": ("tcp://h:2", "tcp://h:3"),
@@ -235,3 +236,13 @@ def test_join_under_torchrun_without_a_secret_warns_before_binding(
     with pytest.raises(_Stop):
         gossipnet.join(secret=b"k")
     assert caplog.text == ""
+
+
+def test_a_peer_that_bootstraps_from_nobody_is_told_who_should_dial_it() -> None:
+    """torchrun's rank 0 lists no peers; the others never came."""
+    text, missing, bad = _join_check.shortfall_details(snapshot(bootstrap=(), expected=4))
+    assert (missing, bad) == ((), {})
+    assert text.endswith(
+        "3 peer(s) never said hello: are they started, with tcp://h:1 among their peers"
+        " (under torchrun: MASTER_ADDR:MASTER_PORT+1), and can they reach it?"
+    )
