@@ -60,7 +60,10 @@ def teacher_batch(gen: torch.Generator, size: int = 64) -> tuple[torch.Tensor, t
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # the peers share the machine's cores
     if args.rank is None:  # torchrun: join() reads RANK, WORLD_SIZE, MASTER_ADDR/PORT
-        net = gossipnet.join(**NET, join_timeout_s=20.0)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        # a preemptible fleet goes on without ranks that are down, as long as one other
+        # peer is there to copy the state from; join() names the missing ones
+        net = gossipnet.join(**NET, join_timeout_s=20.0, min_peers=min(2, world))
         rank = int(os.environ.get("RANK", "0"))
     else:
         rank = args.rank

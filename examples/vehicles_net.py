@@ -95,7 +95,8 @@ def main() -> None:
             route=route[i],
             radio=RADIO,
             handle_sigterm=False,
-            join_timeout_s=1.0,  # vehicles out of range are not waited for
+            join_timeout_s=1.0,  # vehicles out of range are not waited for:
+            min_peers=1,  # a vehicle may start alone and meet the others on the road
             control_timeout_s=0.5,  # bounds the receipt wait of a link that died
         ) as net:
             net.set_route(schedule=SCHEDULE, route_time=lambda r: ROUND_S * r)

@@ -9,6 +9,7 @@ test) apart from the sockets and threads that the facade starts.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets as _secrets
 import socket
@@ -17,10 +18,19 @@ from typing import Any
 
 from .config import Config
 from .errors import ConfigError
+from .transport import check_peer_address, split_address
 
-__all__ = ("JoinPlan", "advertise_host", "resolve_join", "torchrun_settings")
+__all__ = ("JoinPlan", "advertise_host", "resolve_join", "torchrun_settings", "warn_if_exposed")
+
+#: The facade's records keep its logger name, whichever module emits them.
+log = logging.getLogger("gossipnet.peer")
 
 _LOOPBACK = ("127.", "localhost", "::1")
+_NO_PEERS = (
+    "join() got no peers and is not under torchrun (RANK and WORLD_SIZE are unset): pass"
+    " peers=['tcp://host:port', ...] (the other peers' addresses; our own may be among"
+    " them), run under torchrun, or pass peers=[] to train alone on purpose"
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -111,22 +121,32 @@ def resolve_join(
     ``peers`` is None; ``GOSSIPNET_SECRET`` is read only when ``secret`` is None.
 
     Raises:
-        ConfigError: an unknown or invalid override, or non-integer torchrun variables.
+        ConfigError: an unknown or invalid override, an invalid peer address or
+            ``wait_for``, non-integer torchrun variables, or no peers at all outside
+            torchrun (``peers=[]`` asks for a solo peer).
     """
     cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
+    if isinstance(peers, str | bytes):
+        raise ConfigError(f"peers must be a list of addresses, got {peers!r}; write peers=[...]")
+    if wait_for is not None and (type(wait_for) is not int or wait_for < 1):
+        raise ConfigError(f"wait_for must be an int >= 1 (peers, us included), got {wait_for!r}")
     bootstrap = list(peers) if peers is not None else []
     peer_id = cfg.peer_id
     expected = wait_for
     if peers is None:
         tr = torchrun_settings()
-        if tr is not None:
-            bootstrap, tr_listen, tr_id, world = tr
-            listen = listen or tr_listen
-            peer_id = peer_id or tr_id
-            expected = expected if expected is not None else world
+        if tr is None:
+            raise ConfigError(_NO_PEERS)
+        bootstrap, tr_listen, tr_id, world = tr
+        listen = listen or tr_listen
+        peer_id = peer_id or tr_id
+        expected = expected if expected is not None else world
     if listen is None:
-        scheme = bootstrap[0].split("://", 1)[0] if bootstrap else "tcp"
+        first = bootstrap[0] if bootstrap and isinstance(bootstrap[0], str) else "tcp://"
+        scheme = first.split("://", 1)[0]  # a bad address is named by the check below
         listen = "mem://" if scheme == "mem" else f"{scheme}://127.0.0.1:0"
+    for address in bootstrap:
+        check_peer_address(address, listen=listen)
     if peer_id is None:
         peer_id = f"{socket.gethostname()[:16]}-{os.getpid()}-{_secrets.token_hex(3)}"
     if secret is None:
@@ -140,4 +160,28 @@ def resolve_join(
         bootstrap=bootstrap,
         secret=key,
         expected_peers=expected,
+    )
+
+
+def warn_if_exposed(plan: JoinPlan) -> None:
+    """Warn loudly when a peer without a secret listens where others can reach it.
+
+    Why: without a secret the MAC key derives from the run id alone, which keeps
+    another run's packets out but not a person: anyone who reaches the port can
+    send this peer gradients, parameters and membership messages.  On loopback,
+    ``ipc``, ``inproc`` and ``mem`` only this machine (or process) can.
+    """
+    if plan.secret:
+        return
+    scheme, rest = split_address(plan.listen)
+    host = rest.rpartition(":")[0].strip("[]")
+    if scheme not in ("tcp", "udp") or host.startswith(_LOOPBACK):
+        return
+    log.warning(
+        "peer %s listens on %s without a secret: anyone who can reach that port can send it"
+        " gradients, parameters and membership messages (the default key comes from the run"
+        " id, which stops accidents, not attackers); give every peer the same secret:"
+        " join(secret=...) or GOSSIPNET_SECRET",
+        plan.peer_id,
+        plan.listen,
     )

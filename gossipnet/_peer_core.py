@@ -19,6 +19,7 @@ from typing import Any, Self, TypeVar
 
 from ._collective import FlatCache
 from ._join import advertise_host
+from ._join_check import JoinSnapshot, join_error, shortfall_details
 from ._loop import LoopThread
 from ._malloc import tune_malloc
 from ._microbatch import MicrobatchState
@@ -32,7 +33,7 @@ from .averaging.route import RouteAverager
 from .averaging.statesync import StateSync
 from .clock import Clock
 from .config import Config
-from .errors import ClosedError
+from .errors import ClosedError, ConfigError
 
 __all__ = ("PeerCore",)
 
@@ -94,27 +95,55 @@ class PeerCore:
             raise
 
     def _await_peers(self, expected_peers: int | None) -> None:
-        """Wait up to ``Config.join_timeout_s`` for the expected peers; warn, not raise.
+        """Wait up to ``Config.join_timeout_s`` for the expected peers; return at once
+        when they are alive.  Short of them at the deadline, go on with a warning if
+        ``Config.min_peers`` are alive, else raise.
 
         ``expected_peers`` None: the bootstrap's distinct addresses plus us.
+
+        Raises:
+            JoinError: fewer than ``min_peers`` (default: all expected) alive; the
+                message names the silent addresses and those failing authentication.
+            ConfigError: ``min_peers`` above the peers expected.
         """
         config = self.config
         if expected_peers is None:
             # our own address was removed from the bootstrap list at start
             expected_peers = len(self._node.bootstrap) + 1
-        if expected_peers > 1:
-            ok = self._loop.call(
-                self._node.wait_for_peers(expected_peers, config.join_timeout_s),
-                timeout_s=config.join_timeout_s + 5,
+        minimum = expected_peers if config.min_peers is None else config.min_peers
+        if minimum > expected_peers:
+            raise ConfigError(
+                f"Config.min_peers={minimum} exceeds the {expected_peers} peers join() expects"
+                " (wait_for, or the distinct peer addresses plus this one)"
             )
-            if not ok:
-                log.warning(
-                    "peer %s: %d of %d expected peers alive after %.1f s; going on",
-                    self._node.peer_id,
-                    len(self.alive_peers()),
-                    expected_peers,
-                    config.join_timeout_s,
-                )
+        if expected_peers <= 1:
+            return
+        t = config.join_timeout_s
+        if self._loop.call(self._node.wait_for_peers(expected_peers, t), timeout_s=t + 5):
+            return
+        snap = self._call(self._snapshot(expected_peers))
+        if len(snap.alive) >= expected_peers:
+            return  # the last one came in since the deadline
+        if len(snap.alive) < minimum:
+            raise join_error(snap)
+        text, _, _ = shortfall_details(snap, advice=False)
+        log.warning("%s\n  going on with them (Config.min_peers=%d)", text, minimum)
+
+    async def _snapshot(self, expected: int) -> JoinSnapshot:
+        node, members = self._node, self._node.membership
+        alive = tuple(node.alive_peers())
+        addresses = (members.address_of(p) if members else None for p in alive)
+        return JoinSnapshot(
+            peer_id=node.peer_id,
+            address=node.address,
+            alive=alive,
+            alive_addresses=frozenset(a for a in addresses if a),
+            bootstrap=tuple(node.bootstrap),
+            suspects=tuple(node.codec.suspects.values()),
+            run=self.config.run,
+            expected=expected,
+            timeout_s=self.config.join_timeout_s,
+        )
 
     # ------------------------------------------------------------------ identity
     @property

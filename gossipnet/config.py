@@ -62,8 +62,14 @@ class Config:
         failure_timeout_s: silence after which a peer is declared dead.
         control_retry_s: first retry delay of an acknowledged control message (doubles).
         control_timeout_s: give up on a control message after this long.
-        join_timeout_s: ``join()`` waits up to this long for the expected peers to
-            appear, then goes on with those present (a warning names the absent).
+        join_timeout_s: ``join()`` returns as soon as the expected peers are alive
+            and waits up to this long for them; then it raises
+            :class:`~gossipnet.JoinError` (naming the addresses that never answered
+            or failed authentication) unless ``min_peers`` are alive.
+        min_peers: peers (this one included) enough to go on with at
+            ``join_timeout_s`` when not all expected peers came (a warning names the
+            absent); ``None``: all of them, so a typo or a wrong secret fails loudly.
+            A preemptible fleet, where some peers are always down, sets it.
     Collectives
         collective_timeout_s: default upper bound of one all-reduce / averaging round.
         phase_min_wait_s: floor of the learned per-sender allowance: a sender is never
@@ -126,6 +132,7 @@ class Config:
     control_retry_s: float = 0.05
     control_timeout_s: float = 3.0
     join_timeout_s: float = 30.0
+    min_peers: int | None = None
     # collectives
     collective_timeout_s: float = 10.0
     phase_min_wait_s: float = 0.1
@@ -183,6 +190,11 @@ class Config:
             raise ConfigError(
                 f"Config.parity_group must be None or an int in [0, 64] (0 = no parity), got"
                 f" {self.parity_group}"
+            )
+        if self.min_peers is not None and (type(self.min_peers) is not int or self.min_peers < 1):
+            raise ConfigError(
+                f"Config.min_peers must be None (all expected peers) or an int >= 1 (peers"
+                f" to go on with, this one included), got {self.min_peers!r}"
             )
         if self.phase_min_wait_s < 0 or self.resync_every_steps < 0:
             raise ConfigError("phase_min_wait_s and resync_every_steps must be >= 0")

@@ -12,10 +12,11 @@ __all__ = (
     "ClosedError",
     "ConfigError",
     "GossipError",
+    "JoinError",
     "LayoutMismatchError",
-    "ReplicaDivergedError",
     "PeerUnreachable",
     "ProtocolError",
+    "ReplicaDivergedError",
     "TopologyError",
 )
 
@@ -43,6 +44,34 @@ class ClosedError(GossipError):
 
 class PeerUnreachable(GossipError):
     """A control message got no acknowledgement before its deadline."""
+
+
+class JoinError(GossipError):
+    """``join()`` did not find enough peers alive within ``Config.join_timeout_s``.
+
+    The message names the addresses that never answered and those whose packets
+    failed authentication (a different secret, run id or MAC?), and what to do.
+    The peer was closed before this was raised.
+
+    Attributes:
+        alive: ids of the peers alive at the deadline, this one included.
+        missing: bootstrap addresses no alive peer answered from.
+        unauthenticated: addresses (or claimed peer ids) whose packets failed
+            authentication; what those packets claimed is unverified.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        alive: tuple[str, ...] = (),
+        missing: tuple[str, ...] = (),
+        unauthenticated: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.alive = alive
+        self.missing = missing
+        self.unauthenticated = unauthenticated
 
 
 class ProtocolError(GossipError):

@@ -5,7 +5,10 @@ msgpack-encoded, so tensor chunks travel without a copy) and a 16-byte MAC
 over both.  The receiver rejects with the cheapest failing test, in order:
 frame count, sizes, MAC, header parse (msgpack size limits), version, run,
 field types, dtype/count, replay.  Nothing is parsed before the MAC checks
-out, so a forger costs us one hash of a bounded buffer and nothing more.
+out, so a forger costs us one hash of a bounded buffer and nothing more;
+the one exception is a diagnostic: a rejected header is sampled (at most
+100 a second, size-limited) for the sender it *claims*, so ``join()`` can
+name a peer with another secret (:class:`Suspect`; never acted on).
 
 Why a per-sender replay window: transports and fault plans duplicate and
 reorder, and an on-path attacker can replay; a sliding bitmap of sequence
@@ -47,6 +50,7 @@ __all__ = (
     "VERSION",
     "Kind",
     "Packet",
+    "Suspect",
     "WireCodec",
     "encode_tensor_fields",
 )
@@ -78,6 +82,13 @@ _ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in DTYPES.item
 # misconfiguration or an attack and is a WARNING.
 _ROUTINE_REASONS = frozenset({"replay", "stale_epoch"})
 _KIND_MAX = 0xFFFF
+#: Senders of unauthenticated packets remembered for diagnostics (``WireCodec.suspects``).
+_SUSPECTS_MAX = 8
+#: At most one unauthenticated header is parsed per this many seconds: a flood of
+#: forgeries must keep costing one MAC check each, not a parse too.
+_SUSPECT_PARSE_INTERVAL_S = 0.01
+#: Claimed strings are cut to this length before they are kept.
+_SUSPECT_CHARS = 128
 
 
 class Kind(IntEnum):
@@ -127,6 +138,31 @@ class Kind(IntEnum):
     ISLAND_SHARE = 81
     ISLAND_READY = 82
     ISLAND_DONE = 83
+
+
+@dataclass(slots=True, frozen=True)
+class Suspect:
+    """What a packet that failed authentication *claims* about its sender.
+
+    Nothing here is verified: anyone can write these header fields.  It is kept
+    for one use, an error message that helps a user find a misconfigured peer
+    ("packets from tcp://... (claims to be peer 'b') fail authentication").
+
+    Attributes:
+        src: the claimed peer id, if the header parsed.
+        addr: the claimed listen address (membership packets carry one).
+        run: the claimed run id.
+        reason: ``"mac"`` (the tag or key fingerprint did not match) or
+            ``"mac_size"`` (a MAC frame of another length: another ``Config.mac``).
+        same_key: the frame's key fingerprint matched ours, so the sender holds our
+            run key (same secret and run) and the tag, not the key, differs.
+    """
+
+    src: str | None
+    addr: str | None
+    run: str | None
+    reason: str
+    same_key: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -252,6 +288,12 @@ class WireCodec:
         self._senders: dict[str, _SenderState] = {}
         self._log_last: dict[str, float] = {}
         self._log_pending: collections.Counter[str] = collections.Counter()
+        #: the latest distinct senders of unauthenticated packets, oldest first
+        #: (bounded; see :class:`Suspect`): what ``join()``'s error names.
+        self.suspects: collections.OrderedDict[tuple[str | None, str | None], Suspect] = (
+            collections.OrderedDict()
+        )
+        self._suspect_parsed_at: float | None = None
         n = config.max_header_bytes  # no object inside a header can be larger
         self._unpack = functools.partial(
             msgpack.unpackb, raw=False, strict_map_key=True, max_ext_len=0,
@@ -346,13 +388,16 @@ class WireCodec:
         if len(payload) > cfg.max_payload_bytes:
             self._reject("payload_size", None)
             return None
+        same_key = hmac.compare_digest(mac[-FINGERPRINT_BYTES:], self._fingerprint)
         if len(mac) != self.mac_bytes:
             self._reject("mac_size", None)
+            self._note_suspect("mac_size", head, same_key)
             return None
-        if not hmac.compare_digest(mac[-FINGERPRINT_BYTES:], self._fingerprint) or not (
+        if not same_key or not (
             local or self._signer.verify(head, payload, mac[:-FINGERPRINT_BYTES])
         ):
             self._reject("mac", None)
+            self._note_suspect("mac", head, same_key)
             return None
         try:
             header = self._unpack(head)
@@ -438,6 +483,35 @@ class WireCodec:
             state.seen = self._window_mask  # a shared int: no per-peer bitmap memory
 
     # ------------------------------------------------------------------ rejects
+    def _note_suspect(self, reason: str, head: memoryview, same_key: bool) -> None:
+        """Remember what an unauthenticated packet claims about its sender (bounded).
+
+        Parsed with the same size limits as any header, at most once per
+        ``_SUSPECT_PARSE_INTERVAL_S``; only strings are kept, cut short.  The
+        result is never used for anything but diagnostics.
+        """
+        now = self.clock.now()
+        last = self._suspect_parsed_at
+        if last is not None and 0 <= now - last < _SUSPECT_PARSE_INTERVAL_S:
+            return
+        self._suspect_parsed_at = now
+        try:
+            header = self._unpack(head)
+        except Exception:
+            header = None
+        claims = header if type(header) is dict else {}
+
+        def claim(key: str) -> str | None:
+            value = claims.get(key)
+            return value[:_SUSPECT_CHARS] if isinstance(value, str) else None
+
+        suspect = Suspect(claim("src"), claim("addr"), claim("run"), reason, same_key)
+        key = (suspect.src, suspect.addr)
+        self.suspects.pop(key, None)
+        self.suspects[key] = suspect
+        while len(self.suspects) > _SUSPECTS_MAX:
+            self.suspects.popitem(last=False)
+
     def _reject(self, reason: str, src: str | None) -> None:
         """Count a rejection; log it unless this reason was logged recently."""
         self.rejects[reason] += 1

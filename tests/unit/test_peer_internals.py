@@ -11,13 +11,34 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossipnet import _collective, _join, _node, _node_io, _node_membership, _peer_core, peer
+from gossipnet import (
+    _collective,
+    _join,
+    _join_check,
+    _node,
+    _node_io,
+    _node_membership,
+    _peer_core,
+    peer,
+)
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
 
 
 def test_internal_names_are_pinned() -> None:
-    assert _join.__all__ == ("JoinPlan", "advertise_host", "resolve_join", "torchrun_settings")
+    assert _join.__all__ == (
+        "JoinPlan",
+        "advertise_host",
+        "resolve_join",
+        "torchrun_settings",
+        "warn_if_exposed",
+    )
+    assert _join_check.__all__ == (
+        "JoinSnapshot",
+        "join_error",
+        "shortfall_details",
+        "unauthenticated",
+    )
     assert _collective.__all__ == (
         "FlatCache",
         "Staged",

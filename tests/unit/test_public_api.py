@@ -24,6 +24,7 @@ def test_all_is_pinned() -> None:
         "GilbertElliott",
         "GossipError",
         "GossipOptimizer",
+        "JoinError",
         "LayoutMismatchError",
         "MicrobatchReport",
         "MonotonicClock",

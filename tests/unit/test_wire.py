@@ -97,6 +97,7 @@ def test_public_names_are_pinned() -> None:
         "VERSION",
         "Kind",
         "Packet",
+        "Suspect",
         "WireCodec",
         "encode_tensor_fields",
     )
