@@ -177,10 +177,14 @@ def test_typed_memoryview_payload_is_viewed_as_bytes() -> None:
     assert codec("b").decode(frames) is not None
 
 
-def test_seq_increases_and_self_packets_are_accepted() -> None:
-    c = codec("self", epoch=42)
-    pkts = [c.decode(c.encode(Kind.HEARTBEAT)) for _ in range(3)]
+def test_seq_increases_and_own_packets_reflected_back_are_rejected() -> None:
+    """Issue 19: a peer took ~1,800 of its own packets reflected back to it."""
+    c, rx = codec("self", epoch=42), codec("b")
+    pkts = [rx.decode(c.encode(Kind.HEARTBEAT)) for _ in range(3)]
     assert [(p.src, p.epoch, p.seq) for p in pkts if p] == [("self", 42, i) for i in range(3)]
+    assert all(c.decode(c.encode(Kind.HEARTBEAT, dst=d)) is None for d in ("self", None))
+    assert c.rejects["own_packet"] == 2
+    assert c.accepted == 0
 
 
 @pytest.mark.parametrize("key", sorted(wire.RESERVED_KEYS))
