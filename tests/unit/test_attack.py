@@ -329,7 +329,7 @@ def test_decoder_fuzz_authenticated_headers_stay_in_range(
     if pkt is None:
         assert sum(rx.rejects.values()) == 1
         return
-    limit = time.time_ns() + int(rx.config.max_clock_skew_s * 1e9)
+    limit = time.time_ns() + int(getattr(rx.config, "max_clock_skew_s", 60) * 1e9)
     assert type(pkt.epoch) is int
     assert 0 <= pkt.epoch <= min(limit, 2**63 - 1)
     assert type(pkt.seq) is int
