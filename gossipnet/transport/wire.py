@@ -279,6 +279,7 @@ class WireCodec:
         self._base = {"v": VERSION, "run": config.run, "src": src, "e": self.epoch}
         self._key = key
         self._tags: dict[str, bytes] = {}
+        self._group_tags: dict[tuple[str, ...], bytes] = {}
         self._own_tag = _tag(key, src)
         self._skew_ns = int(config.max_clock_skew_s * 1e9)
         self._seq = itertools.count()  # next() is atomic under the GIL
@@ -351,7 +352,14 @@ class WireCodec:
         tags = self._tags
         if isinstance(dst, str):
             return tags.get(dst) or self._new_tag(dst)
-        return b"".join(tags.get(p) or self._new_tag(p) for p in dst)
+        key = tuple(dst)  # a broadcast names the same group chunk after chunk
+        joined = self._group_tags.get(key)
+        if joined is None:
+            if len(self._group_tags) > 1024:
+                self._group_tags.clear()
+            joined = b"".join(tags.get(p) or self._new_tag(p) for p in key)
+            self._group_tags[key] = joined
+        return joined
 
     def _new_tag(self, peer_id: str) -> bytes:
         if len(self._tags) > 65536:  # peers come and go: bounded, rebuilt on demand
