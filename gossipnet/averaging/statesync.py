@@ -57,6 +57,7 @@ import msgpack
 from .._node import Node
 from ..transport.wire import Kind, Packet
 from ._checkpoint import load_checkpoint, pack_state, save_atomic, unpack_state
+from ._state_manifest import DIGEST_BYTES, chunk_size, parse_manifest
 
 __all__ = (
     "Snapshot",
@@ -70,10 +71,8 @@ __all__ = (
 
 log = logging.getLogger(__name__)
 
-_DIGEST = 16
+_DIGEST = DIGEST_BYTES
 _KEEP_SNAPSHOTS = 2  # the current one and the one before, for transfers in flight
-_WHOLE = 32
-_MAX_SID = 64
 #: Default bound of a state we accept to download (a manifest's claimed size).
 MAX_STATE_BYTES = 16 << 30
 
@@ -271,7 +270,12 @@ class StateSync:
             self._on_chunk(xfer, pkt)
             return
         if op == "man":
-            manifest = self._valid_manifest(pkt)
+            manifest = parse_manifest(
+                pkt.fields,
+                pkt.payload,
+                max_bytes=self.max_state_bytes,
+                max_chunk=self.node.config.max_payload_bytes,
+            )
             if manifest is None:
                 self.rejects["manifest"] += 1
                 log.warning("peer %s: bad state manifest from %s", self.node.peer_id, pkt.src)
@@ -283,46 +287,15 @@ class StateSync:
             xfer.gone = True
         xfer.wake.set()
 
-    def _valid_manifest(self, pkt: Packet) -> dict[str, Any] | None:
-        """The manifest in ``pkt`` if every field is typed and in range, else None.
-
-        Checked: ``sid`` a short str; ``sz`` an int in [0, max_state_bytes];
-        ``cb`` an int in [1, Config.max_payload_bytes]; ``d`` exactly one 16-byte
-        digest per chunk of ``sz``; ``w`` a 32-byte digest; ``m`` a map with str keys.
-        """
-        f = pkt.fields
-        sid, sz, cb = f.get("sid"), f.get("sz"), f.get("cb")
-        if not (isinstance(sid, str) and 0 < len(sid) <= _MAX_SID):
-            return None
-        if type(sz) is not int or not 0 <= sz <= self.max_state_bytes:
-            return None
-        if type(cb) is not int or not 0 < cb <= self.node.config.max_payload_bytes:
-            return None
-        nchunks = max(1, -(-sz // cb))
-        try:
-            body = msgpack.unpackb(
-                pkt.payload, max_bin_len=max(nchunks * _DIGEST, _WHOLE), max_ext_len=0
-            )
-        except Exception:
-            return None
-        if type(body) is not dict:
-            return None
-        d, w, m = body.get("d"), body.get("w"), body.get("m")
-        if type(d) is not bytes or len(d) != nchunks * _DIGEST:
-            return None
-        if type(w) is not bytes or len(w) != _WHOLE:
-            return None
-        if type(m) is not dict or not all(isinstance(k, str) for k in m):
-            return None
-        return {"sid": sid, "sz": sz, "cb": cb, "d": d, "w": w, "m": m}
-
     def _on_chunk(self, xfer: _Transfer, pkt: Packet) -> None:
         man, c = xfer.manifest, pkt.fields.get("c")
         if man is None or pkt.fields.get("sid") != man["sid"] or type(c) is not int:
             return
         if not 0 <= c < len(xfer.have) or xfer.have[c]:
             return
-        if _digest(pkt.payload) != xfer.digests[c * _DIGEST : (c + 1) * _DIGEST]:
+        if len(pkt.payload) != chunk_size(man, c) or (
+            _digest(pkt.payload) != xfer.digests[c * _DIGEST : (c + 1) * _DIGEST]
+        ):
             xfer.corrupt += 1
             return
         start = c * man["cb"]
@@ -381,6 +354,10 @@ class StateSync:
                         rep.ok, rep.source, rep.meta = True, src, dict(xfer.manifest["m"])
                         return data, rep
                     log.warning("peer %s: state from %s failed the whole check", node.peer_id, src)
+                    # its chunks match its digests but not its whole: keep none of them,
+                    # and do not ask again at once (a liar would keep us spinning)
+                    xfer.manifest = None
+                    await clock.sleep(min(self.retry_s, max(0.0, deadline - clock.now())))
             return None, rep
         finally:
             del self._xfers[xfer.xid]

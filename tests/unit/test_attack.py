@@ -341,3 +341,37 @@ def test_decoder_fuzz_authenticated_headers_stay_in_range(
     assert not pkt.directed or isinstance(to, str | list)
     assert pkt.directed == ("@" in head)
     assert rx.decode(frames) is None  # and never twice
+
+
+@pytest.mark.timeout(30)
+def test_a_chunk_longer_than_its_manifest_says_is_corrupt(
+    run_async: Callable[..., Any], cluster: Any, drive: Any
+) -> None:
+    """A donor whose digests match chunks of twice the announced size: such a chunk
+    would have grown the download buffer; it is refused as corrupt."""
+    import hashlib as _h
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(2, config=Config(**NET, chunk_bytes=CHUNK), clock=clock) as (a, b):
+            big = [os.urandom(2 * CHUNK) for _ in range(4)]
+            digests = b"".join(_h.blake2b(x, digest_size=16).digest() for x in big)
+
+            def answer(pkt: Any) -> None:
+                op, x = pkt.fields.get("op"), pkt.fields.get("x")
+                if op == "man":
+                    head = {"op": "man", "x": x, "sid": "s1", "sz": 4 * CHUNK, "cb": CHUNK}
+                    body = {"d": digests, "w": bytes(32), "m": {}}
+                    a.send(pkt.src, Kind.STATE_DATA, head, msgpack.packb(body))
+                elif op == "get":
+                    for c in range(4):
+                        head = {"op": "chunk", "x": x, "sid": "s1", "c": c, "dt": "u8"}
+                        a.send(pkt.src, Kind.STATE_DATA, dict(head, n=2 * CHUNK), big[c])
+
+            a.subscribe(Kind.STATE_REQ, answer)
+            sync = StateSync(b)
+            got, rep = await drive(clock, sync.download(sources=["p0"], timeout_s=2.0))
+            assert got is None
+            assert rep.chunks_corrupt >= 4
+
+    run_async(main())
