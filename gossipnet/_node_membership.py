@@ -24,8 +24,9 @@ from .transport.wire import Kind, Packet
 __all__ = ("NodeMembership",)
 
 _MAX_VIEW_ENTRIES = 4096
-#: Beacon values are non-negative ints below this: far from int64's end, so no
-#: counter taken from a beacon overflows what msgpack can encode.
+#: Int beacon values are in [0, BEACON_LIMIT): far from int64's end, so no counter
+#: taken from a beacon overflows what msgpack can encode.  (Other types, e.g. a
+#: bytes digest, are bounded by the header size and pass.)
 BEACON_LIMIT = 1 << 62
 
 #: The node's records keep its logger name, whichever of its modules emits them.
@@ -193,7 +194,7 @@ class NodeMembership(NodeIO):
         view = self._view_payload()
         beat: dict[str, object] = {"addr": self.address}
         for key, value in self.beacon.items():
-            if type(value) is int and 0 <= value < BEACON_LIMIT:
+            if not isinstance(value, int) or (type(value) is int and 0 <= value < BEACON_LIMIT):
                 beat[key] = value
             else:  # an engine's bug or a value taken from a forged packet: not sent
                 self.heartbeat_errors["beacon_range"] += 1
@@ -252,8 +253,9 @@ class NodeMembership(NodeIO):
 
 
 def _beacon_ok(pkt: Packet) -> bool:
-    """Every beacon field of a heartbeat is an int in [0, BEACON_LIMIT)."""
+    """Every int beacon field of a heartbeat is in [0, BEACON_LIMIT) (bools refused)."""
     return all(
-        key == "addr" or (type(value) is int and 0 <= value < BEACON_LIMIT)
-        for key, value in pkt.fields.items()
+        type(value) is int and 0 <= value < BEACON_LIMIT
+        for value in pkt.fields.values()
+        if isinstance(value, int)
     )
