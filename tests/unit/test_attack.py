@@ -375,3 +375,61 @@ def test_a_chunk_longer_than_its_manifest_says_is_corrupt(
             assert rep.chunks_corrupt >= 4
 
     run_async(main())
+
+
+@pytest.mark.timeout(60)
+def test_membership_fuzz_no_forged_control_packet_breaks_the_node(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """500 seeded, validly signed control packets with hostile field values (huge and
+    negative ints, wrong types, garbage views) to p1, whose heartbeat listener adopts
+    the highest round it hears as an engine does: no handler raises, p1's heartbeats
+    go on (p0 still sees it alive), and p0 stays alive at p1."""
+    import logging
+    import random
+
+    rng = random.Random(19)
+    values: list[Any] = [2**64 - 1, 2**63, 2**62, -1, -(2**63), True, None, 1.5, "x" * 50,
+                         b"\x00" * 8, [1, 2**64 - 1], {"a": 1}]  # fmt: skip
+    kinds = [Kind.HELLO, Kind.HELLO_ACK, Kind.HEARTBEAT, Kind.LEAVE, Kind.ACK]
+    keys = ["addr", "rq", "ak", "ar", "r", "mpt", "rv"]
+
+    def view() -> bytes:
+        entry = [rng.choice(["p0", "p1", "zed", ""]), rng.choice([*values, "mem://zed"])]
+        return msgpack.packb(rng.choice([[entry], [entry] * 3, entry, 7, [[1, 2]]]))
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(2, config=Config(**NET), clock=clock) as (a, b):
+
+            def adopt(pkt: Any) -> None:  # an engine catching up to the others' round
+                ar = pkt.fields.get("ar")
+                if type(ar) is int:
+                    b.beacon["ar"] = max(b.beacon.get("ar", 0), ar + 1)
+
+            b.on_heartbeat(adopt)
+            for i in range(500):
+                fields = {k: rng.choice(values) for k in rng.sample(keys, rng.randrange(4))}
+                src = rng.choice(["mallory", "p0", "zed"])
+                to = rng.choice(["p1", None])
+                frames = forge(src, rng.choice(kinds), fields, epoch=7 + i, seq=0, to=to)
+                frames[1] = memoryview(view() if rng.random() < 0.5 else rng.randbytes(9))
+                head = msgpack.unpackb(frames[0])  # re-sign with the payload
+                raw = msgpack.packb(head)
+                nonce = os.urandom(12)
+                msg = len(raw).to_bytes(4, "big") + raw + bytes(frames[1])
+                mac = AESGCM(run_key()).encrypt(nonce, b"", msg)
+                fp = hashlib.blake2b(b"fingerprint", key=run_key(), digest_size=8).digest()
+                b._on_frames([memoryview(raw), frames[1], memoryview(mac + nonce + fp)])
+                if i % 50 == 0:
+                    await drive(clock, clock.sleep(0.05))
+            await drive(clock, clock.sleep(3 * a.config.failure_timeout_s))
+            assert a.membership.is_alive("p1"), "p1's heartbeats stopped"
+            assert getattr(b, "heartbeat_errors", {}).get("exception", 0) == 0
+            assert "internal" not in b.codec.rejects
+            assert b.membership.is_alive("p0")
+            assert b.beacon.get("ar", 0) < 2**62
+            errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+            assert not errors, errors[0].getMessage()
+
+    run_async(main())
