@@ -82,6 +82,8 @@ class Node(NodeMembership):
         #: peers that just joined or restarted learn where the others are.
         self.beacon: dict[str, Any] = {}
         self._heartbeat_listeners: list[PacketCallback] = []
+        #: heartbeats that failed or beacon values withheld, by reason (see stats())
+        self.heartbeat_errors: collections.Counter[str] = collections.Counter()
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
@@ -162,4 +164,5 @@ class Node(NodeMembership):
         out["wire_rejects"] = dict(self.codec.rejects)
         out["wire_accepted"] = self.codec.accepted
         out["unhandled_kinds"] = dict(self.unhandled)
+        out["heartbeat_errors"] = dict(self.heartbeat_errors)
         return out

@@ -5,8 +5,10 @@ packet a node sends or accepts passes through it.  The data path is
 fire-and-forget (:meth:`NodeIO.send`, :meth:`NodeIO.send_frames`); small
 control messages that must arrive use :meth:`NodeIO.send_reliable`: resend
 with exponential backoff until an ACK or a deadline, the receiver acting once
-per request id.  Every accepted packet refreshes membership, then goes to the
-one subscriber of its kind.
+per request id.  Every accepted packet goes to the one subscriber of its kind;
+only one addressed to us (``Packet.directed``) and newer than anything its
+sender sent us before (``Packet.fresh``) refreshes membership, so a captured
+packet replayed later cannot keep a dead peer alive.
 
 Why a base class and not a helper object: ``_on_frames`` and ``send_frames``
 are on the all-reduce's hot path, once per packet; as methods of the node they
@@ -40,6 +42,7 @@ log = logging.getLogger("gossipnet._node")
 
 PacketCallback = Callable[[Packet], None]
 _SEEN_REQUESTS = 8192
+_INT64_MAX = (1 << 63) - 1
 
 
 class NodeIO:
@@ -84,7 +87,7 @@ class NodeIO:
         if address is None or self.transport is None or self._closed:
             return False
         local = self.transport.is_local(address)
-        frames = self.codec.encode(kind, fields, payload, local=local)
+        frames = self.codec.encode(kind, fields, payload, local=local, dst=peer_id)
         return self.transport.send(address, frames, urgent=kind < _FIRST_DATA_KIND)
 
     def encode_for(
@@ -99,6 +102,8 @@ class NodeIO:
         Why: between processes of one user on one host the payload's MAC proves
         nothing (``WireCodec.decode``), and it is a sixth of the all-reduce's CPU
         there.  One remote destination among them and the packet is signed.
+        The packet names every one of ``peer_ids`` as its destination: send these
+        frames to those peers only (any other drops them as ``destination``).
         """
         transport, members = self.transport, self.membership
         local = (
@@ -107,7 +112,8 @@ class NodeIO:
             and bool(peer_ids)
             and all(transport.is_local(members.address_of(p) or "") for p in peer_ids)
         )
-        return self.codec.encode(kind, fields, payload, local=local)
+        dst = peer_ids[0] if len(peer_ids) == 1 else peer_ids
+        return self.codec.encode(kind, fields, payload, local=local, dst=dst)
 
     def send_many(
         self,
@@ -148,10 +154,15 @@ class NodeIO:
         kind: int,
         fields: Mapping[str, Any] | None = None,
         payload: Buffer = b"",
+        *,
+        dst: str | None = None,
     ) -> bool:
+        """Send one packet to ``address``, for peer ``dst`` (None: its id is not known
+        yet, as for a HELLO to a bootstrap address; such a packet refreshes no
+        liveness at the receiver)."""
         if self.transport is None or self._closed:
             return False
-        frames = self.codec.encode(kind, fields, payload)
+        frames = self.codec.encode(kind, fields, payload, dst=dst)
         return self.transport.send(address, frames, urgent=kind < _FIRST_DATA_KIND)
 
     async def send_reliable(
@@ -184,7 +195,7 @@ class NodeIO:
             while not self._closed:
                 dst = address or (self.membership.address_of(peer_id) if self.membership else None)
                 if dst is not None:
-                    self.send_to_address(dst, kind, body, payload)
+                    self.send_to_address(dst, kind, body, payload, dst=peer_id or None)
                 remaining = deadline - self.clock.now()
                 if remaining <= 0:
                     return False
@@ -216,16 +227,20 @@ class NodeIO:
         if pkt is None or self._closed or self.membership is None:
             return
         addr = pkt.fields.get("addr")
-        self.membership.heard_from(
-            pkt.src, pkt.epoch, addr if isinstance(addr, str) else None, self.clock.now()
-        )
+        if pkt.fresh and pkt.directed:  # evidence of life now, not a late or stray copy
+            self.membership.heard_from(
+                pkt.src, pkt.epoch, addr if isinstance(addr, str) else None, self.clock.now()
+            )
         rid = pkt.fields.get("rq")
-        if isinstance(rid, int) and pkt.kind != Kind.ACK:
+        if rid is not None and pkt.kind != Kind.ACK:
+            if type(rid) is not int or not 0 <= rid <= _INT64_MAX:
+                self.codec.rejects["request_id"] += 1
+                return
             reply_to = self.membership.address_of(pkt.src) or (
                 addr if isinstance(addr, str) else None
             )
             if reply_to is not None:
-                self.send_to_address(reply_to, Kind.ACK, {"ak": rid})
+                self.send_to_address(reply_to, Kind.ACK, {"ak": rid}, dst=pkt.src)
             key = (pkt.src, pkt.epoch, rid)
             if key in self._seen_requests:
                 return  # a retry of a request we already acted on

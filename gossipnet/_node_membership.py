@@ -12,6 +12,8 @@ runs on its own timer, never on the per-packet data path.
 from __future__ import annotations
 
 import asyncio
+import collections
+import logging
 from typing import Any
 
 import msgpack
@@ -23,6 +25,13 @@ from .transport.wire import Kind, Packet
 __all__ = ("NodeMembership",)
 
 _MAX_VIEW_ENTRIES = 4096
+#: Int beacon values are in [0, BEACON_LIMIT): far from int64's end, so no counter
+#: taken from a beacon overflows what msgpack can encode.  (Other types, e.g. a
+#: bytes digest, are bounded by the header size and pass.)
+BEACON_LIMIT = 1 << 62
+
+#: The node's records keep its logger name, whichever of its modules emits them.
+log = logging.getLogger("gossipnet._node")
 
 
 class NodeMembership(NodeIO):
@@ -30,13 +39,26 @@ class NodeMembership(NodeIO):
 
     #: small fields (ints, short lists) every heartbeat carries; see ``_node.Node``.
     beacon: dict[str, Any]
+    heartbeat_errors: collections.Counter[str]
     _bootstrap: list[str]
     _heartbeat_listeners: list[PacketCallback]
 
     def _on_hello(self, pkt: Packet) -> None:
+        """Answer a HELLO: with our view if it names us, else with a HELLO that does.
+
+        Why two steps for a HELLO sent to a bare address: it names no destination,
+        so anyone could replay it to anyone; it makes us probe the sender (whose
+        answer, addressed to us, is what marks it alive), never marks it alive.
+        """
         addr = pkt.fields.get("addr")
-        if isinstance(addr, str):
-            self.send_to_address(addr, Kind.HELLO_ACK, {"addr": self.address}, self._view_payload())
+        if not isinstance(addr, str) or self.membership is None:
+            return
+        if not pkt.directed:
+            self.membership.learned(pkt.src, addr)
+            self.send_to_address(addr, Kind.HELLO, {"addr": self.address}, dst=pkt.src)
+            return
+        view = self._view_payload()
+        self.send_to_address(addr, Kind.HELLO_ACK, {"addr": self.address}, view, dst=pkt.src)
 
     def on_heartbeat(self, callback: PacketCallback) -> None:
         """Also call ``callback`` with every heartbeat (to read others' beacons)."""
@@ -44,8 +66,11 @@ class NodeMembership(NodeIO):
 
     def _on_view(self, pkt: Packet) -> None:
         if pkt.kind == Kind.HEARTBEAT:
-            for cb in self._heartbeat_listeners:
-                cb(pkt)
+            if _beacon_ok(pkt):
+                for cb in self._heartbeat_listeners:
+                    cb(pkt)
+            else:  # a huge round number would spread to every engine that reads it
+                self.codec.rejects["beacon_range"] += 1
         if not pkt.payload or self.membership is None:
             return
         try:
@@ -70,10 +95,10 @@ class NodeMembership(NodeIO):
                 and all(isinstance(x, str) for x in entry)
                 and self.membership.learned(entry[0], entry[1])
             ):
-                self.send_to_address(entry[1], Kind.HELLO, {"addr": self.address})
+                self.send_to_address(entry[1], Kind.HELLO, {"addr": self.address}, dst=entry[0])
 
     def _on_leave(self, pkt: Packet) -> None:
-        if self.membership is None:
+        if self.membership is None or not pkt.directed:
             return
         address = self.membership.address_of(pkt.src)
         self.membership.left(pkt.src, pkt.epoch)
@@ -142,26 +167,53 @@ class NodeMembership(NodeIO):
         )
 
     async def _heartbeat_loop(self) -> None:
+        """Expire the silent, probe the dead, announce ourselves; never dies of one beat.
+
+        Why the guard: failure detection for the whole peer hangs on this task.  A
+        beat that fails (a bad beacon value, a transport error) is counted in
+        ``heartbeat_errors`` and logged, and the next interval tries again.
+        """
         assert self.membership is not None
         interval = self.config.heartbeat_interval_s
         await self._connect_bootstrap()
         while not self._closed:
-            now = self.clock.now()
-            self.membership.expire(now)
-            for address in self.membership.prune(now, 10 * self.config.failure_timeout_s):
-                self._forget(address)
-            view = self._view_payload()
-            beat = {"addr": self.address, **self.beacon}
-            for info in self.membership.known():
-                if info.alive:
-                    self.send_to_address(info.address, Kind.HEARTBEAT, beat, view)
-                else:
-                    self.send_to_address(info.address, Kind.HELLO, {"addr": self.address})
-            known_addresses = {p.address for p in self.membership.known() if p.alive}
-            for address in self._bootstrap:
-                if address not in known_addresses:
-                    self.send_to_address(address, Kind.HELLO, {"addr": self.address})
+            try:
+                self._beat()
+            except Exception:
+                self.heartbeat_errors["exception"] += 1
+                if self.heartbeat_errors["exception"] in (1, 10, 100, 1000):
+                    log.exception("peer %s: a heartbeat failed (going on)", self.peer_id)
             await self.clock.sleep(interval / 2 if self.membership.version == 0 else interval)
+
+    def _beat(self) -> None:
+        """One heartbeat interval's work (see :meth:`_heartbeat_loop`)."""
+        assert self.membership is not None
+        now = self.clock.now()
+        self.membership.expire(now)
+        for address in self.membership.prune(now, 10 * self.config.failure_timeout_s):
+            self._forget(address)
+        view = self._view_payload()
+        beat: dict[str, object] = {"addr": self.address}
+        for key, value in self.beacon.items():
+            if not isinstance(value, int) or (type(value) is int and 0 <= value < BEACON_LIMIT):
+                beat[key] = value
+            else:  # an engine's bug or a value taken from a forged packet: not sent
+                self.heartbeat_errors["beacon_range"] += 1
+                if self.heartbeat_errors["beacon_range"] == 1:
+                    log.error(
+                        "peer %s: beacon %s=%r out of range; not sent", self.peer_id, key, value
+                    )
+        for info in self.membership.known():
+            if info.alive:
+                self.send_to_address(info.address, Kind.HEARTBEAT, beat, view, dst=info.peer_id)
+            else:
+                self.send_to_address(
+                    info.address, Kind.HELLO, {"addr": self.address}, dst=info.peer_id
+                )
+        known_addresses = {p.address for p in self.membership.known() if p.alive}
+        for address in self._bootstrap:
+            if address not in known_addresses:
+                self.send_to_address(address, Kind.HELLO, {"addr": self.address})
 
     def alive_peers(self) -> list[str]:
         return self.membership.alive() if self.membership else [self.peer_id]
@@ -199,3 +251,12 @@ class NodeMembership(NodeIO):
             return True
         finally:
             self.membership.off_change(wake)
+
+
+def _beacon_ok(pkt: Packet) -> bool:
+    """Every int beacon field of a heartbeat is in [0, BEACON_LIMIT) (bools refused)."""
+    return all(
+        type(value) is int and 0 <= value < BEACON_LIMIT
+        for value in pkt.fields.values()
+        if isinstance(value, int)
+    )

@@ -57,6 +57,10 @@ class Config:
         mac: ``"aes-gmac"`` (10-20 GB/s with AES-NI), ``"hmac-sha256"`` (about 1.8 GB/s
             with SHA extensions) or ``"blake2b"``; every peer of a run must agree.
         reject_log_interval_s: at most one log line per reject reason per interval.
+        max_clock_skew_s: a sender's epoch (its start, ``time.time_ns()``) further ahead
+            of our wall clock than this is rejected (``future_epoch``): a forged epoch
+            from the far future would otherwise outrank every real packet of that
+            peer, and its restarts, for ever.  Hosts' clocks must agree this closely.
     Membership
         heartbeat_interval_s: how often a peer announces itself.
         failure_timeout_s: silence after which a peer is declared dead.
@@ -126,6 +130,7 @@ class Config:
     replay_window_packets: int = 8192
     mac: str = "aes-gmac"
     reject_log_interval_s: float = 5.0
+    max_clock_skew_s: float = 60.0
     # membership
     heartbeat_interval_s: float = 0.5
     failure_timeout_s: float = 3.0
@@ -151,6 +156,7 @@ class Config:
             "max_header_bytes",
             "max_payload_bytes",
             "replay_window_packets",
+            "max_clock_skew_s",
             "heartbeat_interval_s",
             "failure_timeout_s",
             "control_retry_s",

@@ -174,7 +174,7 @@ def send_parity(
     sent = 0
     for g, parity in enumerate(parities(raw, width, k, scratch)):
         head = {**fields, "b": b, "g": g, "gs": k, "n": parity.nbytes}
-        sent += node.send_frames(dests, node.codec.encode(kind, head, parity))
+        sent += node.send_frames(dests, node.encode_for(dests, kind, head, parity))
     rnd.parity_sent += sent
     return sent
 

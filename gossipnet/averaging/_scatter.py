@@ -122,7 +122,7 @@ def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
                 "n": rnd.rs_sent_to[peer],
                 "l": lossy,
             }
-            frames = node.codec.encode(engine.k.rs_end, end)
+            frames = node.encode_for((peer,), engine.k.rs_end, end)
             for _ in range(copies):
                 node.send_frames((peer,), frames)
 

@@ -156,6 +156,8 @@ def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
         return
     node = engine.node
     others = [p for p in rnd.participants if p != rnd.me]
+    if not others:
+        return
     end = {
         "r": rnd.r,
         "m": rnd.mode,
@@ -163,7 +165,7 @@ def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
         "n": rnd.ag_chunks_sent,
         "l": int(engine.loss.recent),
     }
-    frames = node.codec.encode(engine.k.ag_end, end)
+    frames = node.encode_for(others, engine.k.ag_end, end)
     for _ in range(copies):
         node.send_frames(others, frames)
 

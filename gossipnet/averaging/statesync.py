@@ -25,6 +25,18 @@ retries):
   kept, so a transfer moves to another source without starting over (after a
   Moshpit average, peers' snapshots are often identical: nothing is redone).
 
+Trust (issue 19): a manifest is validated field by field (types, ranges, a
+size at most ``max_state_bytes``, digests that match the chunking) before
+anything is allocated from it; a bad one is a counted reject
+(``StateSync.rejects["manifest"]``) and the source is left, never an exception
+out of :meth:`StateSync.download`.  A reply from another peer than the one
+asked is dropped (``rejects["foreign_reply"]``).  Where a second live donor
+exists its manifest is asked too and the whole-state digests compared
+(``TransferReport.second_donor``, ``donors_agree``): agreement confirms the
+state; a disagreement is logged and reported but the download goes on from the
+first donor, because replicas may honestly differ by a step (part 1's replica
+digests repair a replica that diverged).
+
 ``save_atomic`` writes an optional local checkpoint (temp file, fsync,
 ``os.replace``): a crash leaves the old file or the new one, never half.
 """
@@ -32,6 +44,7 @@ retries):
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import secrets
@@ -44,6 +57,7 @@ import msgpack
 from .._node import Node
 from ..transport.wire import Kind, Packet
 from ._checkpoint import load_checkpoint, pack_state, save_atomic, unpack_state
+from ._state_manifest import DIGEST_BYTES, chunk_size, parse_manifest
 
 __all__ = (
     "Snapshot",
@@ -57,8 +71,10 @@ __all__ = (
 
 log = logging.getLogger(__name__)
 
-_DIGEST = 16
+_DIGEST = DIGEST_BYTES
 _KEEP_SNAPSHOTS = 2  # the current one and the one before, for transfers in flight
+#: Default bound of a state we accept to download (a manifest's claimed size).
+MAX_STATE_BYTES = 16 << 30
 
 
 def _digest(data: memoryview | bytes) -> bytes:
@@ -111,6 +127,10 @@ class TransferReport:
     requests: int = 0
     elapsed_s: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the donor whose manifest was compared with the source's (None: no other)
+    second_donor: str | None = None
+    #: whether its whole-state digest matched (None: not compared)
+    donors_agree: bool | None = None
 
 
 @dataclass
@@ -118,6 +138,7 @@ class _Transfer:
     """Client-side state of one download (survives a change of source)."""
 
     xid: str
+    src: str | None = None  # the peer asked now: replies from others are dropped
     manifest: dict[str, Any] | None = None
     waiting: bool = False
     gone: bool = False
@@ -136,6 +157,8 @@ class StateSync:
         window_chunks: chunks asked for at once (flow control without acks).
         retry_s: re-ask for outstanding chunks after this long without progress.
         stall_timeout_s: leave a source that made no progress this long.
+        max_state_bytes: a manifest claiming a larger state is rejected (a peer
+            must not make us allocate what it likes).
     """
 
     def __init__(
@@ -145,9 +168,16 @@ class StateSync:
         window_chunks: int = 64,
         retry_s: float = 0.25,
         stall_timeout_s: float = 2.0,
+        max_state_bytes: int = MAX_STATE_BYTES,
     ) -> None:
-        if window_chunks < 1 or retry_s <= 0 or stall_timeout_s <= 0:
-            raise ValueError("window_chunks >= 1, retry_s > 0 and stall_timeout_s > 0 required")
+        if window_chunks < 1 or retry_s <= 0 or stall_timeout_s <= 0 or max_state_bytes < 0:
+            raise ValueError(
+                "window_chunks >= 1, retry_s > 0, stall_timeout_s > 0 and "
+                "max_state_bytes >= 0 required"
+            )
+        self.max_state_bytes = max_state_bytes
+        #: replies dropped, by reason ("manifest", "foreign_reply")
+        self.rejects: collections.Counter[str] = collections.Counter()
         self.node = node
         self.window = window_chunks
         self.retry_s = retry_s
@@ -228,19 +258,29 @@ class StateSync:
 
     # ------------------------------------------------------------------ client
     def _on_data(self, pkt: Packet) -> None:
-        xfer = self._xfers.get(pkt.fields.get("x"))  # type: ignore[arg-type]
+        xid = pkt.fields.get("x")
+        xfer = self._xfers.get(xid) if isinstance(xid, str) else None
         if xfer is None:
+            return
+        if pkt.src != xfer.src:  # a transfer id leaked or guessed: not the peer we asked
+            self.rejects["foreign_reply"] += 1
             return
         op = pkt.fields.get("op")
         if op == "chunk":
             self._on_chunk(xfer, pkt)
             return
         if op == "man":
-            try:
-                body = msgpack.unpackb(bytes(pkt.payload), max_bin_len=64 << 20)
-                xfer.manifest = {**pkt.fields, "d": body["d"], "w": body["w"], "m": body["m"]}
-            except Exception:
+            manifest = parse_manifest(
+                pkt.fields,
+                pkt.payload,
+                max_bytes=self.max_state_bytes,
+                max_chunk=self.node.config.max_payload_bytes,
+            )
+            if manifest is None:
+                self.rejects["manifest"] += 1
+                log.warning("peer %s: bad state manifest from %s", self.node.peer_id, pkt.src)
                 return
+            xfer.manifest = manifest
         elif op == "wait":
             xfer.waiting = True
         elif op == "gone":
@@ -253,7 +293,9 @@ class StateSync:
             return
         if not 0 <= c < len(xfer.have) or xfer.have[c]:
             return
-        if _digest(pkt.payload) != xfer.digests[c * _DIGEST : (c + 1) * _DIGEST]:
+        if len(pkt.payload) != chunk_size(man, c) or (
+            _digest(pkt.payload) != xfer.digests[c * _DIGEST : (c + 1) * _DIGEST]
+        ):
             xfer.corrupt += 1
             return
         start = c * man["cb"]
@@ -269,6 +311,9 @@ class StateSync:
         max_age_s: float | None = 5.0,
     ) -> tuple[bytes | None, TransferReport]:
         """Fetch the state of a live peer; ``(None, report)`` if none could serve it.
+
+        Never raises for what peers send: a bad manifest or a foreign reply is
+        counted in :attr:`rejects` and the source is left.
 
         Args:
             sources: peers to try in order (default: every alive peer but us).
@@ -295,8 +340,13 @@ class StateSync:
                 src = fresh[0]
                 tried.append(src)
                 relax_at = t0 + timeout_s / 2 if max_age_s is not None else t0
-                if not await self._manifest(src, xfer, deadline, (max_age_s, relax_at), rep):
+                age = (max_age_s, relax_at)
+                if not await self._manifest(src, xfer, deadline, age, rep):
                     continue
+                second = next((p for p in pool if p != src and p != rep.second_donor), None)
+                if second is not None:
+                    await self._cross_check(second, xfer, deadline, age, rep)
+                xfer.src = src
                 if await self._fetch(src, xfer, deadline, rep):
                     data = bytes(xfer.buf)
                     assert xfer.manifest is not None
@@ -304,6 +354,10 @@ class StateSync:
                         rep.ok, rep.source, rep.meta = True, src, dict(xfer.manifest["m"])
                         return data, rep
                     log.warning("peer %s: state from %s failed the whole check", node.peer_id, src)
+                    # its chunks match its digests but not its whole: keep none of them,
+                    # and do not ask again at once (a liar would keep us spinning)
+                    xfer.manifest = None
+                    await clock.sleep(min(self.retry_s, max(0.0, deadline - clock.now())))
             return None, rep
         finally:
             del self._xfers[xfer.xid]
@@ -311,15 +365,47 @@ class StateSync:
             rep.chunks_corrupt = xfer.corrupt
             rep.elapsed_s = clock.now() - t0
 
-    async def _manifest(
+    async def _cross_check(
+        self,
+        donor: str,
+        xfer: _Transfer,
+        deadline: float,
+        age: tuple[float | None, float],
+        rep: TransferReport,
+    ) -> None:
+        """Ask ``donor`` for its manifest too and compare whole-state digests.
+
+        Why not refuse on a mismatch: two honest replicas differ while one is a
+        step ahead, so a mismatch is reported (and logged), not fatal.
+        """
+        assert xfer.manifest is not None
+        other = _Transfer(secrets.token_hex(6))
+        self._xfers[other.xid] = other
+        try:
+            theirs = await self._ask_manifest(donor, other, deadline, age, rep)
+        finally:
+            del self._xfers[other.xid]
+        if theirs is None:
+            return
+        rep.second_donor = donor
+        rep.donors_agree = theirs["w"] == xfer.manifest["w"] and theirs["sz"] == xfer.manifest["sz"]
+        if not rep.donors_agree:
+            log.warning(
+                "peer %s: state manifests of %s and %s differ (a step apart, or one is wrong)",
+                self.node.peer_id,
+                xfer.src,
+                donor,
+            )
+
+    async def _ask_manifest(
         self,
         src: str,
         xfer: _Transfer,
         deadline: float,
         age: tuple[float | None, float],
         rep: TransferReport,
-    ) -> bool:
-        """Ask ``src`` for a manifest; adopt it, keeping chunks whose digest is unchanged.
+    ) -> dict[str, Any] | None:
+        """Ask ``src`` for a manifest until one valid arrives; None on a stall.
 
         ``age`` is (max snapshot age, time after which any age will do).  A source
         that answers ``wait`` is preparing a fresh snapshot and gets a longer
@@ -328,12 +414,11 @@ class StateSync:
         clock = self.node.clock
         start = clock.now()
         stop = min(deadline, start + self.stall_timeout_s)
-        old, xfer.manifest, xfer.gone, xfer.waiting = xfer.manifest, None, False, False
+        xfer.src, xfer.manifest, xfer.gone, xfer.waiting = src, None, False, False
         while xfer.manifest is None:
             now = clock.now()
             if now >= stop or not self.node.membership.is_alive(src):  # type: ignore[union-attr]
-                xfer.manifest = old
-                return False
+                return None
             if xfer.waiting:  # preparing a snapshot: ask again later, not at once
                 xfer.waiting = False
                 stop = min(deadline, start + 4 * self.stall_timeout_s)
@@ -344,10 +429,31 @@ class StateSync:
             rep.requests += 1
             xfer.wake.clear()
             await _wait_event(clock, xfer.wake, min(self.retry_s, stop - now))
-        man = xfer.manifest
+        return xfer.manifest
+
+    async def _manifest(
+        self,
+        src: str,
+        xfer: _Transfer,
+        deadline: float,
+        age: tuple[float | None, float],
+        rep: TransferReport,
+    ) -> bool:
+        """Ask ``src`` for a manifest; adopt it, keeping chunks whose digest is unchanged."""
+        old = xfer.manifest
+        man = await self._ask_manifest(src, xfer, deadline, age, rep)
+        if man is None:
+            xfer.manifest = old
+            return False
         n = len(man["d"]) // _DIGEST
         if old is None or old["sz"] != man["sz"] or old["cb"] != man["cb"]:
-            xfer.buf, xfer.have = bytearray(man["sz"]), [False] * n
+            try:
+                xfer.buf, xfer.have = bytearray(man["sz"]), [False] * n
+            except MemoryError:  # within max_state_bytes, yet more than this host has
+                self.rejects["manifest"] += 1
+                log.warning("peer %s: no memory for %d B of state", self.node.peer_id, man["sz"])
+                xfer.manifest = old
+                return False
         else:
             new_d, old_d = man["d"], old["d"]
             span = [slice(c * _DIGEST, (c + 1) * _DIGEST) for c in range(n)]

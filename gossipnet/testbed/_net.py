@@ -105,10 +105,24 @@ class Testbed:
         self.links = {h.name: LinkState(host=h.name, port=h.port) for h in self.hosts}
         self.rates: dict[str, tuple[float, float] | None] = {h.name: None for h in self.hosts}
         self.ports_down: set[str] = set()
-        self.run_dir = Path(tempfile.gettempdir()) / f"{self.name}-run"
+        self._run_dir: Path | None = None
         self._procs: list[HostProcess] = []
         self._inodes: set[int] = set()
         self._up = False
+
+    @property
+    def run_dir(self) -> Path:
+        """This testbed's private directory for logs and call specs (made on first use).
+
+        Why ``mkdtemp``: it creates a new directory, mode 0700, under an
+        unpredictable name, or fails; a predictable ``<tmp>/<name>-run`` that
+        another local user created first was accepted, and root wrote and read
+        files there (issue 19).  The name still starts ``<name>-run`` so that
+        ``cleanup_stale`` finds what a killed owner left.
+        """
+        if self._run_dir is None:
+            self._run_dir = Path(tempfile.mkdtemp(prefix=f"{self.name}-run-"))
+        return self._run_dir
 
     # ------------------------------------------------------------------ lifecycle
     def up(self) -> Testbed:
@@ -120,7 +134,7 @@ class Testbed:
         _registry.register(self)
         self._up = True
         try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_dir  # noqa: B018 - made now, private, before any child writes there
             self._add_ns(self.switch)
             sw = ["ip", "-n", self.switch]
             run([*sw, "link", "add", BRIDGE, "mtu", str(self.config.mtu), "type", "bridge"])
@@ -247,8 +261,8 @@ class Testbed:
         for ns in namespaces:
             run(["ip", "netns", "del", ns], check=False)
         _registry.unregister(self)
-        if not self.config.keep_logs:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+        if not self.config.keep_logs and self._run_dir is not None:
+            shutil.rmtree(self._run_dir, ignore_errors=True)
         left = self.leftovers()
         left = Leftovers(left.namespaces, left.processes, tuple(left_ifs))
         if left or errors:

@@ -10,8 +10,8 @@ reads, and the logs survive for the error message after the child is gone.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._runner import from_json, to_json
 from ._sys import TestbedError, netns_exec
 
 __all__ = ("RUNNER", "HostProcess", "PyTask", "WorkerError")
@@ -127,8 +128,8 @@ class PyTask(HostProcess):
 
     ``fn`` must be importable by module and qualified name (or, with
     ``standalone``, its module file must load on its own); arguments and the
-    result travel pickled, so they must not be instances of classes defined in
-    a script's ``__main__`` (plain dicts and lists always work).
+    result travel as JSON (``_runner.to_json``: plain values, tuples, bytes and
+    dataclasses importable by name), never pickled: the testbed runs as root.
     """
 
     def __init__(
@@ -150,13 +151,14 @@ class PyTask(HostProcess):
             "file": getattr(module, "__file__", None),
             "standalone": standalone,
             "sys_path": [p for p in sys.path if p],
-            "payload": pickle.dumps((tuple(args), dict(kwargs))),
+            "args": to_json(list(args)),
+            "kwargs": to_json(dict(kwargs)),
         }
         if (standalone or fn.__module__ == "__main__") and not spec["file"]:
             raise ValueError(f"{fn.__qualname__}: its module has no file to load in the host")
-        self.spec_path = log_dir / f"{label}.spec.pkl"
-        self.result_path = log_dir / f"{label}.result.pkl"
-        self.spec_path.write_bytes(pickle.dumps(spec))
+        self.spec_path = log_dir / f"{label}.spec.json"
+        self.result_path = log_dir / f"{label}.result.json"
+        self.spec_path.write_text(json.dumps(spec))
         argv = [sys.executable, RUNNER, str(self.spec_path), str(self.result_path)]
         super().__init__(ns, argv, log_dir=log_dir, label=label, env=env)
 
@@ -174,9 +176,10 @@ class PyTask(HostProcess):
         deadline = time.monotonic() + timeout_s
         code = self.wait(max(0.0, deadline - time.monotonic()))
         try:
-            with open(self.result_path, "rb") as f:
-                status, value = pickle.load(f)
-        except (OSError, EOFError, pickle.UnpicklingError) as err:
+            with open(self.result_path) as f:
+                outcome = json.load(f)
+            status, value = outcome["status"], from_json(outcome["value"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
             raise WorkerError(
                 f"{self.label} exited {code} without a result.\nstderr tail:\n{self.stderr()}"
             ) from err

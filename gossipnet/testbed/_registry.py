@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 import time
@@ -176,8 +177,17 @@ def cleanup_stale(*, alive: Callable[[int], bool] = pid_alive) -> list[str]:
         removed.append(ns)
     tmp = Path(tempfile.gettempdir())
     for path in tmp.glob(f"{PREFIX}*x*-run*"):
-        if _stale_owner(path.name, alive) is not None:
+        if _stale_owner(path.name, alive) is not None and _ours(path):
             shutil.rmtree(path, ignore_errors=True)
     if removed:
         log.warning("removed %d stale testbed namespace(s): %s", len(removed), removed)
     return removed
+
+
+def _ours(path: Path) -> bool:
+    """A real directory (not a link) owned by us: only such run directories are removed."""
+    try:
+        st = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()

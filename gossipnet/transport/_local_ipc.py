@@ -20,12 +20,16 @@ belong to a peer that binds none; a stale file refuses the probe and the
 sender uses TCP.
 
 Anything unusual (no ``/proc``, a directory we do not own, a path longer than
-a Unix socket allows) disables the shortcut: TCP still works.
+a Unix socket allows) disables the shortcut: TCP still works.  A directory of
+that name that is not ours alone (another user created it first, or made it a
+link, or opened its mode) is logged once as a WARNING that says what to do:
+otherwise same-host traffic would quietly take the slower path (issue 19).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import stat
@@ -40,6 +44,9 @@ ALIASED_HOST = "127.0.0.1"
 
 #: sun_path holds 108 bytes with its terminating NUL on Linux.
 _MAX_PATH = 107
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def _netns() -> int | None:
@@ -63,6 +70,16 @@ def _private_dir() -> str | None:
     except OSError:
         return None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        if path not in _warned:  # once per process: every dial asks again
+            _warned.add(path)
+            what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory (a link?)"
+            log.warning(
+                "same-host Unix-socket path off, peers on this host talk over TCP: %s is "
+                "%s owned by uid %d with mode %o, not a private directory of uid %d. "
+                "Remove it (its owner or root can) or point TMPDIR at a directory of "
+                "your own, then restart the peers",
+                path, what, st.st_uid, st.st_mode & 0o777, uid,
+            )  # fmt: skip
         return None
     return path
 

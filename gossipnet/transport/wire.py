@@ -4,11 +4,31 @@ A packet is a small msgpack map (the header), the raw payload (never
 msgpack-encoded, so tensor chunks travel without a copy) and a 16-byte MAC
 over both.  The receiver rejects with the cheapest failing test, in order:
 frame count, sizes, MAC, header parse (msgpack size limits), version, run,
-field types, dtype/count, replay.  Nothing is parsed before the MAC checks
-out, so a forger costs us one hash of a bounded buffer and nothing more;
-the one exception is a diagnostic: a rejected header is sampled (at most
-100 a second, size-limited) for the sender it *claims*, so ``join()`` can
-name a peer with another secret (:class:`Suspect`; never acted on).
+field types and ranges, our own id, destination, dtype/count, epoch, replay.
+Nothing is parsed before the MAC checks out, so a forger costs us one hash of
+a bounded buffer and nothing more; the one exception is a diagnostic: a
+rejected header is sampled (at most 100 a second, size-limited) for the
+sender it *claims*, so ``join()`` can name a peer with another secret
+(:class:`Suspect`; never acted on).
+
+Why a destination (``"@"``: 4-byte tags of the peers a packet is for): the
+replay window is per receiver, so without it a packet captured on its way to
+one peer is fresh to every other, and a peer takes its own packets reflected
+back.  A packet encoded once for many peers carries all their tags (a
+broadcast chunk stays one encoding and one MAC).  A packet with no destination
+(a HELLO to a bootstrap address whose peer id we do not know yet) is accepted
+with ``Packet.directed`` False; the node lets such packets refresh no liveness.
+Our own id as ``src`` is rejected outright (``own_packet``).
+
+Why bounds on epoch and seq: they move the replay state, and a window moved by
+one authenticated packet stays moved.  An epoch (the sender's start,
+``time.time_ns()``) further than ``Config.max_clock_skew_s`` ahead of our clock
+is ``future_epoch``: 2**63 would otherwise lock the real peer out for ever.
+A seq beyond what the sender could have sent since its epoch (one packet per
+100 ns) is ``seq_range``; both are int64 at most (``header_fields``).
+``Packet.fresh`` says the packet advanced its sender's window: only such
+packets refresh liveness, so a replayed or withheld older packet cannot keep
+a dead peer alive.
 
 Why a per-sender replay window: transports and fault plans duplicate and
 reorder, and an on-path attacker can replay; a sliding bitmap of sequence
@@ -62,7 +82,9 @@ MAC_BYTES = 16  # the tag; the MAC frame is ``WireCodec.mac_bytes`` long (36 for
 #: Bytes of key fingerprint closing every MAC frame (see ``WireCodec.decode``).
 FINGERPRINT_BYTES = 8
 #: Header keys the codec owns; caller fields may not use them.
-RESERVED_KEYS = frozenset({"v", "run", "src", "e", "q", "k"})
+RESERVED_KEYS = frozenset({"v", "run", "src", "e", "q", "k", "@"})
+#: Bytes of one destination tag in the ``"@"`` field.
+TAG_BYTES = 4
 
 #: Dtype codes allowed in a typed packet's ``dt`` field.
 DTYPES: dict[str, torch.dtype] = {
@@ -80,7 +102,9 @@ _ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in DTYPES.item
 # Reasons logged at DEBUG: duplicates, reordering and restarts are routine on a
 # lossy network (and fault plans inject them); everything else hints at a
 # misconfiguration or an attack and is a WARNING.
-_ROUTINE_REASONS = frozenset({"replay", "stale_epoch"})
+# A "destination" drop is routine too: a peer restarted on the same address under a
+# new id receives the packets still addressed to its previous life.
+_ROUTINE_REASONS = frozenset({"replay", "stale_epoch", "destination"})
 _KIND_MAX = 0xFFFF
 #: Senders of unauthenticated packets remembered for diagnostics (``WireCodec.suspects``).
 _SUSPECTS_MAX = 8
@@ -89,6 +113,9 @@ _SUSPECTS_MAX = 8
 _SUSPECT_PARSE_INTERVAL_S = 0.01
 #: Claimed strings are cut to this length before they are kept.
 _SUSPECT_CHARS = 128
+_INT64_MAX = (1 << 63) - 1
+#: A sender cannot have sent more than one packet per this many ns since its epoch.
+_MIN_NS_PER_PACKET = 100
 
 
 class Kind(IntEnum):
@@ -172,6 +199,9 @@ class Packet:
     ``fields`` holds the caller's header fields only (reserved keys removed).
     ``payload`` is a byte-format view of the received frame, not a copy: keep
     it only as long as the transport's buffer lives, or copy it.
+    ``directed``: the packet names us as a destination (False: it names none).
+    ``fresh``: it advanced its sender's replay window (False: an older packet
+    arriving late); only fresh directed packets are evidence a peer is alive now.
     """
 
     src: str
@@ -180,6 +210,8 @@ class Packet:
     kind: int
     fields: dict[str, Any]
     payload: memoryview
+    directed: bool = True
+    fresh: bool = True
 
 
 def encode_tensor_fields(t: torch.Tensor) -> dict[str, Any]:
@@ -218,7 +250,14 @@ def _as_bytes_view(buf: Buffer) -> memoryview:
 
 def _uint(x: object) -> TypeGuard[int]:
     # bool is an int subclass and msgpack decodes true/false as bool: refuse it.
-    return type(x) is int and x >= 0
+    return type(x) is int and 0 <= x <= _INT64_MAX
+
+
+def _tag(key: bytes, peer_id: str) -> bytes:
+    """A peer's destination tag: short, keyed (it names no peer to an outsider)."""
+    return hashlib.blake2b(
+        peer_id.encode(), key=key, digest_size=TAG_BYTES, person=b"gossipnet-dst"
+    ).digest()
 
 
 class _SenderState:
@@ -282,6 +321,11 @@ class WireCodec:
         self.mac_bytes = self._signer.size + FINGERPRINT_BYTES  # length of the MAC frame
         self._unsigned = bytes(self._signer.size) + self._fingerprint
         self._base = {"v": VERSION, "run": config.run, "src": src, "e": self.epoch}
+        self._key = key
+        self._tags: dict[str, bytes] = {}
+        self._group_tags: dict[tuple[str, ...], bytes] = {}
+        self._own_tag = _tag(key, src)
+        self._skew_ns = int(config.max_clock_skew_s * 1e9)
         self._seq = itertools.count()  # next() is atomic under the GIL
         self._window = config.replay_window_packets
         self._window_mask = (1 << self._window) - 1
@@ -308,6 +352,7 @@ class WireCodec:
         payload: Buffer = b"",
         *,
         local: bool = False,
+        dst: str | Sequence[str] | None = None,
     ) -> list[Buffer]:
         """Build ``[header, payload, mac]`` for one packet; the payload is not copied.
 
@@ -321,6 +366,9 @@ class WireCodec:
             fields: caller header fields: str keys, msgpack-able values (ints,
                 str, floats, bools, small lists); nested maps need str keys.
             payload: raw bytes; a memoryview is re-viewed as bytes, never copied.
+            dst: the peer id (or ids) this packet is for; any other receiver drops
+                it (``destination``).  ``None`` only where no id is known yet (a
+                HELLO to a bare address): such a packet refreshes no liveness.
 
         Raises:
             ValueError: a reserved key in ``fields``, a kind out of range, or a
@@ -337,7 +385,10 @@ class WireCodec:
         if fields and not RESERVED_KEYS.isdisjoint(fields):
             bad = sorted(RESERVED_KEYS.intersection(fields))
             raise ValueError(f"header keys {bad} are reserved by the wire codec; rename them")
-        head = msgpack.packb(dict(self._base, q=next(self._seq), k=kind, **(fields or {})))
+        header = dict(self._base, q=next(self._seq), k=kind, **(fields or {}))
+        if dst is not None:
+            header["@"] = self._dst_tags(dst)
+        head = msgpack.packb(header)
         if (size := len(head)) > self.config.max_header_bytes:
             raise ValueError(
                 f"header of {size} B > Config.max_header_bytes; move data to the payload"
@@ -345,6 +396,36 @@ class WireCodec:
         if local:
             return [head, payload, self._unsigned]
         return [head, payload, self._signer.sign(head, payload) + self._fingerprint]
+
+    def _dst_tags(self, dst: str | Sequence[str]) -> bytes:
+        """The ``"@"`` field: the concatenated tags of ``dst`` (cached per peer)."""
+        tags = self._tags
+        if isinstance(dst, str):
+            return tags.get(dst) or self._new_tag(dst)
+        key = tuple(dst)  # a broadcast names the same group chunk after chunk
+        joined = self._group_tags.get(key)
+        if joined is None:
+            if len(self._group_tags) > 1024:
+                self._group_tags.clear()
+            joined = b"".join(tags.get(p) or self._new_tag(p) for p in key)
+            self._group_tags[key] = joined
+        return joined
+
+    def _new_tag(self, peer_id: str) -> bytes:
+        if len(self._tags) > 65536:  # peers come and go: bounded, rebuilt on demand
+            self._tags.clear()
+        tag = self._tags[peer_id] = _tag(self._key, peer_id)
+        return tag
+
+    def _for_us(self, to: object) -> bool:
+        """Whether a ``"@"`` field names us: one of its aligned tags is ours."""
+        own = self._own_tag
+        if type(to) is not bytes or len(to) % TAG_BYTES:
+            return False
+        i = to.find(own)
+        while i > 0 and i % TAG_BYTES:
+            i = to.find(own, i + 1)
+        return i >= 0 and not i % TAG_BYTES
 
     # ------------------------------------------------------------------ decode
     def decode(self, frames: Sequence[Buffer], *, local: bool = False) -> Packet | None:
@@ -428,6 +509,13 @@ class WireCodec:
         if not (src and _uint(epoch) and _uint(seq) and _uint(kind) and kind <= _KIND_MAX):
             self._reject("header_fields", src)
             return None
+        if src == self.src:
+            self._reject("own_packet", src)  # reflected back to us: never ours to take
+            return None
+        to = header.pop("@", None)
+        if to is not None and to != self._own_tag and not self._for_us(to):
+            self._reject("destination", src)
+            return None
         if "dt" in header:
             itemsize = _ITEMSIZE.get(header["dt"]) if isinstance(header["dt"], str) else None
             if itemsize is None:
@@ -438,26 +526,34 @@ class WireCodec:
                 self._reject("count", src)
                 return None
         reason = self._replay_check(src, epoch, seq)
-        if reason is not None:
+        if reason:
             self._reject(reason, src)
             return None
         self.accepted += 1
-        return Packet(src, epoch, seq, kind, header, payload)
+        return Packet(src, epoch, seq, kind, header, payload, to is not None, reason is None)
 
     def _replay_check(self, src: str, epoch: int, seq: int) -> str | None:
-        """None if ``(epoch, seq)`` from ``src`` is new, else the reject reason.
+        """``None`` if ``(epoch, seq)`` from ``src`` is new and the newest yet (fresh),
+        ``""`` if new but older than the newest (reordered), else the reject reason.
 
-        Runs only on authenticated, well-formed packets: a forger cannot move a window.
+        Runs only on authenticated, well-formed packets: a forger cannot move a
+        window, and a key holder can move it only within plausible bounds.
         """
         state = self._senders.get(src)
         if state is None or epoch > state.epoch:
             # First contact or a new incarnation: start a fresh window.
+            if epoch > time.time_ns() + self._skew_ns:
+                return "future_epoch"
+            if seq > self._max_seq(epoch):
+                return "seq_range"
             self._senders[src] = _SenderState(epoch, seq)
             return None
         if epoch < state.epoch:
             return "stale_epoch"
         if seq > state.top:
             shift = seq - state.top
+            if shift >= self._window and seq > self._max_seq(epoch):
+                return "seq_range"
             state.seen = (
                 ((state.seen << shift) | 1) & self._window_mask if shift < self._window else 1
             )
@@ -467,7 +563,16 @@ class WireCodec:
         if back >= self._window or (state.seen >> back) & 1:
             return "replay"
         state.seen |= 1 << back
-        return None
+        return ""
+
+    def _max_seq(self, epoch: int) -> int:
+        """The highest seq a sender started at ``epoch`` can have reached by now.
+
+        Checked only on a jump past the whole window (rare: the sender sent more
+        than a window of packets to others since its last one to us), so the
+        common path pays no clock read.
+        """
+        return (time.time_ns() + self._skew_ns - epoch) // _MIN_NS_PER_PACKET
 
     def forget(self, src: str) -> None:
         """Release the replay window of a departed peer.

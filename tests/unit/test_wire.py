@@ -178,10 +178,14 @@ def test_typed_memoryview_payload_is_viewed_as_bytes() -> None:
     assert codec("b").decode(frames) is not None
 
 
-def test_seq_increases_and_self_packets_are_accepted() -> None:
-    c = codec("self", epoch=42)
-    pkts = [c.decode(c.encode(Kind.HEARTBEAT)) for _ in range(3)]
+def test_seq_increases_and_own_packets_reflected_back_are_rejected() -> None:
+    """Issue 19: a peer took ~1,800 of its own packets reflected back to it."""
+    c, rx = codec("self", epoch=42), codec("b")
+    pkts = [rx.decode(c.encode(Kind.HEARTBEAT)) for _ in range(3)]
     assert [(p.src, p.epoch, p.seq) for p in pkts if p] == [("self", 42, i) for i in range(3)]
+    assert all(c.decode(c.encode(Kind.HEARTBEAT, dst=d)) is None for d in ("self", None))
+    assert c.rejects["own_packet"] == 2
+    assert c.accepted == 0
 
 
 @pytest.mark.parametrize("key", sorted(wire.RESERVED_KEYS))
@@ -515,3 +519,42 @@ def test_local_packets_skip_the_mac_but_not_the_key() -> None:
     assert rx.decode(frames, local=True) is not None
     assert rx.decode(frames, local=True) is None
     assert rx.rejects["replay"] == 1
+
+
+# ---------------------------------------------------------------------- destinations
+def test_packets_are_bound_to_their_destinations() -> None:
+    """Issue 19: a packet captured on its way to one peer was fresh to every other.
+    Now it names its destinations; one encoding may name many (a broadcast)."""
+    tx, b, c, d = codec("a"), codec("b"), codec("c"), codec("d")
+    one = tx.encode(Kind.RS_DATA, {"i": 1}, b"x", dst="b")
+    assert (pkt := b.decode(one)) is not None
+    assert pkt.directed
+    assert c.decode(one) is None
+    assert c.rejects["destination"] == 1
+    many = tx.encode(Kind.BCAST, {"i": 2}, b"y", dst=["b", "c"])
+    assert b.decode(many) is not None
+    assert c.decode(many) is not None
+    assert d.decode(many) is None
+    assert d.rejects["destination"] == 1
+    bare = tx.encode(Kind.HELLO, {"addr": "mem://a"})  # no id known yet: accepted, undirected
+    assert (pkt := d.decode(bare)) is not None
+    assert not pkt.directed
+
+
+def test_a_tag_straddling_two_tags_does_not_match() -> None:
+    """Only aligned 4-byte tags count: our tag split across two others is not ours."""
+    rx = codec("b")
+    own = rx._own_tag
+    straddle = bytes(2) + own + bytes(2)  # our tag at offset 2 of two "tags"
+    assert not rx._for_us(straddle)
+    assert rx._for_us(bytes(4) + own)
+    assert not rx._for_us(own[:3])
+
+
+def test_only_packets_that_advance_the_window_are_fresh() -> None:
+    tx, rx = codec("a"), codec("b")
+    first, second = tx.encode(Kind.HEARTBEAT, dst="b"), tx.encode(Kind.HEARTBEAT, dst="b")
+    assert (pkt := rx.decode(second)) is not None
+    assert pkt.fresh
+    assert (pkt := rx.decode(first)) is not None  # late, still inside the window
+    assert not pkt.fresh

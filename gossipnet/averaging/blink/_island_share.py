@@ -12,6 +12,13 @@ A handle travels as a pickle of *plain values only* (str, int, bytes, bool, tupl
 lists): :func:`load_handles` refuses every global, so even a forged handle could not
 run code.  Handles come only from our own peers anyway: each packet's MAC is checked
 with the run's secret before anything reads it.
+
+A file handle names a path, and a path can be a trap: a symlink in ``/dev/shm``
+to another file of ours would be mapped and written to (issue 19).  So
+:func:`open_handles` accepts only ``<shm dir>/gossipnet-<pid>-<hex>``, opens it
+with ``O_NOFOLLOW`` and checks what it opened: a regular file, owned by us,
+writable by nobody else, of the expected size; the mapping is then made through
+that open descriptor (``/proc/self/fd``), never by looking the name up again.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import secrets
 import socket
+import stat
 import tempfile
 import weakref
 from collections.abc import Sequence
@@ -36,6 +45,7 @@ from ...transport.wire import DTYPE_CODES, DTYPES
 __all__ = ("SharedBuckets", "host_id", "load_handles", "open_handles", "sweep_stale")
 
 _SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"gossipnet-[0-9]+-[0-9a-f]{12}")
 
 
 @functools.cache
@@ -187,9 +197,7 @@ def open_handles(
             _, path, n, code = h
             if n != numel or DTYPES.get(code) != dtype or not isinstance(path, str):
                 raise ValueError(f"shared bucket {path!r} is {n} x {code}, expected {numel}")
-            if not os.path.basename(path).startswith("gossipnet-") or not os.path.isfile(path):
-                raise ValueError(f"shared bucket file {path!r} is missing")
-            out.append(torch.from_file(path, shared=True, size=numel, dtype=dtype))
+            out.append(_map_file(path, numel, dtype))
         elif h[0] == "cuda" and len(h) == 14:
             size, stride, offset, code, device, *rest = h[1:]
             if DTYPES.get(code) != dtype or torch.Size(size).numel() != numel:
@@ -204,3 +212,39 @@ def open_handles(
         else:
             raise ValueError(f"unknown shared bucket handle kind {h[0]!r}")
     return out
+
+
+def _map_file(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Map one bucket file of another process of ours; see the module docstring.
+
+    Raises:
+        ValueError: a name outside the shared-memory directory or not ours, a link,
+            not a regular file, another owner, writable by others, or a wrong size.
+    """
+    directory, name = os.path.split(path)
+    if directory != _shm_dir() or not _NAME.fullmatch(name):
+        raise ValueError(f"shared bucket {path!r} is not a gossipnet file in {_shm_dir()}")
+    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as err:  # gone, or a symlink (ELOOP)
+        raise ValueError(f"shared bucket file {path!r} cannot be opened: {err}") from err
+    try:
+        st = os.fstat(fd)
+        bad = (
+            "not a regular file" if not stat.S_ISREG(st.st_mode)
+            else f"owned by uid {st.st_uid}" if st.st_uid != os.geteuid()
+            else f"mode {st.st_mode & 0o777:o}" if st.st_mode & 0o022
+            else f"{st.st_size} B" if st.st_size != numel * dtype.itemsize
+            else None
+        )  # fmt: skip
+        if bad is not None:
+            raise ValueError(f"shared bucket file {path!r} refused: {bad}")
+        via_fd = f"/proc/self/fd/{fd}"
+        if os.path.exists(via_fd):  # the file we checked, not whatever the name is now
+            return torch.from_file(via_fd, shared=True, size=numel, dtype=dtype)
+        if not os.path.samestat(st, os.stat(path, follow_symlinks=False)):
+            raise ValueError(f"shared bucket file {path!r} changed while opened")
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    finally:
+        os.close(fd)
