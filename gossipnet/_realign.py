@@ -16,6 +16,7 @@ Both run on the training thread between steps, where the tensors are ours.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ from .rounds import CollectiveReport
 if TYPE_CHECKING:
     from .optim import GossipOptimizer
 
-__all__ = ("after_step", "download_state", "publish_state")
+__all__ = ("after_step", "download_state", "publish_state", "serve_idle")
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,15 @@ def publish_state(opt: GossipOptimizer) -> None:
     sync = opt.peer._statesync
     if sync is None:
         return
+    snap = _snapshot(opt, sync.chunk_bytes)
+
+    async def install() -> None:
+        sync.install(dataclasses.replace(snap, created=sync.node.clock.now()))
+
+    opt.peer._call(install())
+
+
+def _snapshot(opt: GossipOptimizer, chunk_bytes: int) -> Snapshot:
     data = pack_state(
         {
             "params": [b.detach().cpu() for b in opt._param_buckets()],
@@ -52,12 +62,35 @@ def publish_state(opt: GossipOptimizer) -> None:
             "step": opt.step_count,
         }
     )
-    snap = Snapshot.of(data, sync.chunk_bytes, {"step": opt.step_count}, 0.0)
+    return Snapshot.of(data, chunk_bytes, {"step": opt.step_count}, 0.0)
 
-    async def install() -> None:
-        sync.install(dataclasses.replace(snap, created=sync.node.clock.now()))
 
-    opt.peer._call(install())
+def serve_idle(opt: GossipOptimizer) -> None:
+    """A peer asked for our state (loop thread): publish it now if the trainer is not
+    inside a step, so a peer that must realign is served even when we are between
+    steps or done training; else the trainer publishes after its step."""
+    sync = opt.peer._statesync
+    if sync is None or opt._serving:
+        return
+    opt._serving = True
+
+    def build() -> Snapshot | None:  # a worker thread: hashing must not stall the loop
+        if not opt.state_lock.acquire(blocking=False):
+            return None
+        try:
+            return _snapshot(opt, sync.chunk_bytes)
+        finally:
+            opt.state_lock.release()
+
+    async def publish() -> None:
+        try:
+            snap = await asyncio.to_thread(build)
+            if snap is not None:
+                sync.install(dataclasses.replace(snap, created=sync.node.clock.now()))
+        finally:
+            opt._serving = False
+
+    sync.node.spawn(publish(), "state-publish")
 
 
 def download_state(opt: GossipOptimizer, donors: list[str], why: str) -> TransferReport | None:
@@ -82,10 +115,11 @@ def download_state(opt: GossipOptimizer, donors: list[str], why: str) -> Transfe
             " every peer must build the same model"
         )
     before = opt.step_count
-    with torch.no_grad():
-        for b, t in zip(buckets, theirs, strict=True):
-            b.copy_(t)
-    opt.load_state_dict(state["optim"])
+    with opt.state_lock:
+        with torch.no_grad():
+            for b, t in zip(buckets, theirs, strict=True):
+                b.copy_(t)
+        opt.load_state_dict(state["optim"])
     log.warning(
         "peer %s: %s: adopted %s's state (step %d -> %d, %d bytes in %.2f s)",
         me, why, rep.source, before, opt.step_count, rep.nbytes, rep.elapsed_s,

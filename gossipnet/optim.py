@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -160,6 +161,13 @@ class GossipOptimizer:
         self._last_align: Alignment | None = None
         self._digest_rid: int | None = None  # the resync our latest digest is of
         self._checked_rid: int | None = None  # the resync whose verdict we acted on
+        # held while a step or resync changes the parameters or the optimizer state, so
+        # that a peer asking for our state between steps (or after the last) gets a
+        # consistent snapshot without waiting for our next step (_realign.serve_idle)
+        self.state_lock = threading.Lock()
+        self._serving = False
+        if strategy == "allreduce" and peer._statesync is not None:
+            peer._statesync.on_wanted = lambda: _realign.serve_idle(self)
         self._moshpit: MoshpitStrategy | None = None
         if strategy == "moshpit":
             self._moshpit = MoshpitStrategy(self, average_every=average_every, **moshpit_options)
@@ -225,12 +233,14 @@ class GossipOptimizer:
         params = self._param_buckets()
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         gstaged = [g.cpu() for g in grads]
-        step = self.step_count
-        report = self.peer._call(self._round(gstaged, staged, weight, step), self.timeout * 3 + 30)
-        for b, s in zip(params, staged, strict=True):
-            if b is not s:
-                b.copy_(s)
-        self.step_count += 1
+        with self.state_lock:
+            step = self.step_count
+            coro = self._round(gstaged, staged, weight, step)
+            report = self.peer._call(coro, self.timeout * 3 + 30)
+            for b, s in zip(params, staged, strict=True):
+                if b is not s:
+                    b.copy_(s)
+            self.step_count += 1
         if mb is not None:
             report.extra.update(mb.as_extra())
         _realign.after_step(self, report, self._last_align)
@@ -246,12 +256,13 @@ class GossipOptimizer:
         rid = max(optimizer_round(self.step_count, EXPLICIT_RESYNC), self._engine().next_round)
         if rid >= optimizer_round(self.step_count, GRADIENTS) and self.last_resync is not None:
             return self.last_resync  # two resyncs already since the last step: nothing changed
-        params = self._param_buckets()
-        staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
-        report = self.peer._call(self._resync(staged, rid), self.timeout * 2 + 30)
-        for b, s in zip(params, staged, strict=True):
-            if b is not s:
-                b.copy_(s)
+        with self.state_lock:
+            params = self._param_buckets()
+            staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
+            report = self.peer._call(self._resync(staged, rid), self.timeout * 2 + 30)
+            for b, s in zip(params, staged, strict=True):
+                if b is not s:
+                    b.copy_(s)
         return report
 
     # ------------------------------------------------------------------ loop side

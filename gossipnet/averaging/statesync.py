@@ -48,7 +48,7 @@ import collections
 import hashlib
 import logging
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +185,10 @@ class StateSync:
         self.snapshots: list[Snapshot] = []
         #: a peer asked for state we do not have fresh: the trainer should publish
         self.wanted = False
+        #: called (on the loop thread, must not block) whenever a peer asks for state
+        #: we do not have fresh, so a trainer that is between steps, or done, can
+        #: publish without waiting for its next step
+        self.on_wanted: Callable[[], None] | None = None
         self.served_chunks = 0
         self._xfers: dict[str, _Transfer] = {}
         self._asked: dict[str, float] = {}  # transfer id -> its first manifest request
@@ -232,6 +236,8 @@ class StateSync:
             )
             if snap is None or not fresh:
                 self.wanted = True
+                if self.on_wanted is not None:  # at every ask: it may have been busy
+                    self.on_wanted()
                 self.node.send(pkt.src, Kind.STATE_DATA, {"op": "wait", "x": xid})
                 return
             body = msgpack.packb({"d": snap.digests, "w": snap.whole, "m": snap.meta})
