@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import logging
 import secrets
@@ -350,10 +351,18 @@ class StateSync:
                 if not await self._manifest(src, xfer, deadline, age, rep):
                     continue
                 second = next((p for p in pool if p != src and p != rep.second_donor), None)
-                if second is not None:
-                    await self._cross_check(second, xfer, deadline, age, rep)
                 xfer.src = src
-                if await self._fetch(src, xfer, deadline, rep):
+                # the cross-check runs beside the fetch, not before it: a second donor
+                # that is mid-step answers late, and a peer realigning must not fall
+                # further behind for a check whose mismatch is only reported
+                check = (
+                    asyncio.ensure_future(self._cross_check(second, xfer, deadline, age, rep))
+                    if second is not None
+                    else None
+                )
+                fetched = await self._fetch(src, xfer, deadline, rep)
+                await _settle(clock, check, self.retry_s)
+                if fetched:
                     data = bytes(xfer.buf)
                     assert xfer.manifest is not None
                     if _whole(data) == xfer.manifest["w"]:
@@ -510,6 +519,20 @@ def _runs(chunks: Sequence[int]) -> list[tuple[int, int]]:
         else:
             out.append((c, 1))
     return out
+
+
+async def _settle(clock: Any, task: asyncio.Future[None] | None, grace_s: float) -> None:
+    """Give ``task`` up to ``grace_s`` more to finish, then cancel it."""
+    if task is None:
+        return
+    if not task.done():
+        done = asyncio.Event()
+        task.add_done_callback(lambda _t: done.set())
+        await _wait_event(clock, done, grace_s)
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _wait_event(clock: Any, event: asyncio.Event, timeout_s: float) -> None:
