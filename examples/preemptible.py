@@ -127,6 +127,30 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+#: How long peers may take to start (import torch, join, download state): a bound on a
+#: hang, not a measure of speed (~5 s on 2 idle cores, ~60 s on 2 cores at a load of 12).
+START_BOUND_S = 180.0
+
+
+def wait_restarts(
+    procs: dict[int, subprocess.Popen[bytes]], logs: list[Path], starting: dict[int, int]
+) -> None:
+    """Wait until every restarted peer has started training (or died), at most
+    ``START_BOUND_S``: ending the run under a peer that is still starting leaves it
+    no live peer to download the state from (on a busy machine a restart took 50 s)."""
+    t0 = time.time()
+    while time.time() - t0 < START_BOUND_S:
+        pending = [
+            r
+            for r, size in starting.items()
+            if procs[r].poll() is None and b'"event": "start"' not in logs[r].read_bytes()[size:]
+        ]
+        if not pending:
+            return
+        time.sleep(0.2)
+    print(f"restarted peers {pending} did not start within {START_BOUND_S:.0f} s")
+
+
 def supervise(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     ports = free_ports(args.peers)
@@ -145,7 +169,9 @@ def supervise(args: argparse.Namespace) -> int:
     procs = {r: spawn(r, args.peers) for r in range(args.peers)}
     logs = [args.log_dir / f"rank{r}.jsonl" for r in range(args.peers)]
     while not all(f.exists() for f in logs):  # every peer joined and started training
-        if time.time() - t_spawn > 180 or any(p.poll() is not None for p in procs.values()):
+        if time.time() - t_spawn > START_BOUND_S or any(
+            p.poll() is not None for p in procs.values()
+        ):
             print("the peers did not all start")
             for p in procs.values():
                 p.kill()
@@ -158,11 +184,13 @@ def supervise(args: argparse.Namespace) -> int:
     live: list[tuple[float, int]] = []
     down: dict[int, float] = {}  # rank -> when to restart it
     next_kill = start + args.warmup + rng.uniform(0, args.kill_every)
+    starting: dict[int, int] = {}  # restarted rank -> its log's size when restarted
     while time.time() < deadline:
         now = time.time()
         for r, at in list(down.items()):
             if now >= at and deadline - now > 8:
                 procs[r] = spawn(r, 2)  # a restart needs one live peer to copy, not all
+                starting[r] = logs[r].stat().st_size if logs[r].exists() else 0
                 del down[r]
                 events.append({"t": now, "event": "restart", "rank": r})
         if now >= next_kill and deadline - now > 12 and len(down) < args.peers // 2:
@@ -176,6 +204,7 @@ def supervise(args: argparse.Namespace) -> int:
             next_kill = now + rng.uniform(0.5, 1.5) * args.kill_every
         live.append((now, sum(p.poll() is None for r, p in procs.items() if r not in down)))
         time.sleep(0.1)
+    wait_restarts(procs, logs, starting)
     (args.log_dir / "STOP").touch()  # everyone leaves, gracefully, after its current step
     for p in procs.values():
         try:

@@ -143,7 +143,8 @@ def _load(tmp_path: Path, rank: int, call: int) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.timeout(60)
+# four processes importing torch: ~5 s on 2 idle cores, 22 s at a load of 12: a hang bound
+@pytest.mark.timeout(180)
 def test_processes_average_through_shared_memory_and_survive_a_dead_leader(
     tmp_path: Path, free_tcp_ports: Callable[[int], list[int]]
 ) -> None:

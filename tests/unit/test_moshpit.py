@@ -97,7 +97,8 @@ def assert_partition(reports: dict[int, CollectiveReport], names: Sequence[str])
 
 
 # --------------------------------------------------------------------------- exactness
-@pytest.mark.timeout(60)
+# 64 nodes in asyncio debug mode: ~3 s on 2 idle cores, 42 s at a load of 12; a hang bound
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize(("n", "grid"), [(16, (4, 2)), (64, (4, 3))])
 def test_full_grid_gives_every_peer_the_exact_mean_after_d_rounds(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, n: int, grid: Any
@@ -122,7 +123,7 @@ def test_full_grid_gives_every_peer_the_exact_mean_after_d_rounds(
                 assert not rep.missing
                 assert rep.chunks_stale == 0
 
-    run_async(main(), 60)
+    run_async(main(), 230)
 
 
 @pytest.mark.timeout(60)
@@ -218,7 +219,8 @@ def test_a_lost_leader_is_replaced_and_a_late_one_waited_for(
 
 
 # --------------------------------------------------------------------------- faults
-@pytest.mark.timeout(90)
+# 64 nodes, 6 rounds: ~4 s on 2 idle cores, 56 s at a load of 12; a hang bound
+@pytest.mark.timeout(300)
 def test_ten_percent_failing_per_round_still_decays_geometrically(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
 ) -> None:
@@ -246,7 +248,7 @@ def test_ten_percent_failing_per_round_still_decays_geometrically(
             assert rate < 0.45, (rate, var)
             assert worst < 0.7, (worst, var)  # every single round contracts
 
-    run_async(main(), 80)  # 64 nodes in asyncio debug mode: seconds of wall time
+    run_async(main(), 290)
 
 
 @pytest.mark.timeout(60)

@@ -211,8 +211,20 @@ def test_optimizer_rounds_send_parity_under_loss_by_default(parity_group: int | 
         assert all(sent == 0 and rec == 0 for sent, rec, _ in out), out
 
 
+# ~10 s on 2 idle cores, ~60 s measured at a load of 12: 300 s bounds a hang, not slowness.
+@pytest.mark.timeout(300)
 def test_drift_bounded_under_loss_and_zero_after_resync() -> None:
-    """1000 steps at 10% loss: the replica gap does not grow with t; resync zeroes it."""
+    """1000 steps at 10% loss: the replica gap does not grow with t; resync zeroes it.
+
+    The drift measured is the one packet loss causes, so no peer may be cut from a
+    round for being slow: on a loaded machine a peer's thread starved past a 2 s
+    collective timeout (or 1 s of heartbeats) was cut from one round and, since
+    rounds are paired by call count (issue 19 part 1,
+    ``test_optim_stall.py``), its final resync met the others' gradient round
+    (``chunks_stale == 6``).  The timeouts here are therefore far above any
+    starvation; no round reaches them at 10% loss (END markers end every phase),
+    so the run is no longer for it.
+    """
     steps, n_params = 1000, 4096
 
     def body(rank: int, peer: gossipnet.Peer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,7 +241,11 @@ def test_drift_bounded_under_loss_and_zero_after_resync() -> None:
         return history, p.detach().clone()
 
     out = run_peers(
-        3, body, faults=gossipnet.FaultPlan(loss=0.1, seed=11), collective_timeout_s=2.0
+        3,
+        body,
+        faults=gossipnet.FaultPlan(loss=0.1, seed=11),
+        collective_timeout_s=30.0,
+        failure_timeout_s=30.0,
     )
     hist = torch.stack([o[0] for o in out])  # peers x steps x params
     gap = (hist.max(0).values - hist.min(0).values).max(-1).values  # per step
