@@ -6,7 +6,10 @@ without it (timed out), and it comes back.  The stall is made deterministic
 here (the stalled peer waits until the others have finished the step without
 it), instead of hoping a loaded machine produces it, which is how
 ``test_drift_bounded_under_loss_and_zero_after_resync`` used to fail
-(``chunks_stale == 6`` after its resync).
+(``chunks_stale == 6`` after its resync): rounds were paired by a per-peer call
+counter, so the cut peer paired its step k with the others' step k + 1 for good
+and its resync met their gradient round.  Rounds are now numbered by step
+(``averaging/_round_id.py``), so it rejoins the others at its next step.
 """
 
 from __future__ import annotations
@@ -32,12 +35,6 @@ STALL_AT = 5
 STEPS = 12
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 19 part 1: rounds are paired by a per-peer call counter, so a peer "
-    "cut from one round pairs its step k with the others' step k+1 for good, and its "
-    "resync meets their gradient round (mode mismatch): the lead's round identity fixes it",
-)
 # 12 steps of < 0.1 s, a stall of two collective timeouts (2 s), a resync: ~3 s idle;
 # 60 s bounds a hang: every round timing out takes 13 x 1 s, at any load.
 @pytest.mark.timeout(60)
