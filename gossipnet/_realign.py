@@ -120,6 +120,7 @@ def download_state(opt: GossipOptimizer, donors: list[str], why: str) -> Transfe
             for b, t in zip(buckets, theirs, strict=True):
                 b.copy_(t)
         opt.load_state_dict(state["optim"])
+        opt.adopt_rounds(int(state["optim"].get("round_base", 0)))
     log.warning(
         "peer %s: %s: adopted %s's state (step %d -> %d, %d bytes in %.2f s)",
         me, why, rep.source, before, opt.step_count, rep.nbytes, rep.elapsed_s,

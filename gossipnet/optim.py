@@ -161,6 +161,9 @@ class GossipOptimizer:
         self._last_align: Alignment | None = None
         self._digest_rid: int | None = None  # the resync our latest digest is of
         self._checked_rid: int | None = None  # the resync whose verdict we acted on
+        # added to every round id: moved past the ids already run when a checkpoint is
+        # loaded (load_state_dict), so restored steps never reuse a round id
+        self._round_base = 0
         # held while a step or resync changes the parameters or the optimizer state, so
         # that a peer asking for our state between steps (or after the last) gets a
         # consistent snapshot without waiting for our next step (_realign.serve_idle)
@@ -253,8 +256,8 @@ class GossipOptimizer:
             return self._moshpit.average()
         if self._route is not None:
             return self._route.average()
-        rid = max(optimizer_round(self.step_count, EXPLICIT_RESYNC), self._engine().next_round)
-        if rid >= optimizer_round(self.step_count, GRADIENTS) and self.last_resync is not None:
+        rid = max(self._rid(self.step_count, EXPLICIT_RESYNC), self._engine().next_round)
+        if rid >= self._rid(self.step_count, GRADIENTS) and self.last_resync is not None:
             return self.last_resync  # two resyncs already since the last step: nothing changed
         with self.state_lock:
             params = self._param_buckets()
@@ -303,7 +306,7 @@ class GossipOptimizer:
         and the realignment after it replaces our state anyway.
         """
         engine = self._engine()
-        rid = optimizer_round(step, SCHEDULED_RESYNC)
+        rid = self._rid(step, SCHEDULED_RESYNC)
         due = step == 0 or (self.resync_every and step % self.resync_every == 0)
         if due and rid >= engine.next_round:  # else an explicit resync just ran
             resync = await self._resync(params, rid)
@@ -325,7 +328,7 @@ class GossipOptimizer:
             mode=MODE_GRADS,
             stale_step=self._stale_step,
             parity_group=self.peer.config.parity_for(optimizer=True),
-            round_id=optimizer_round(step, GRADIENTS),
+            round_id=self._rid(step, GRADIENTS),
         )
         self._last_align = engine.alignment()
         return report
@@ -439,6 +442,7 @@ class GossipOptimizer:
         params = self._param_buckets()
         return {
             "step_count": self.step_count,
+            "round_base": self._round_base,
             "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in self.base.param_groups
             ],
@@ -460,5 +464,20 @@ class GossipOptimizer:
         self._pending_state = state["sharded"]
         self._shard_key = ()  # rebuild with the loaded state at the next step
         self._shard_opt = None
-        # the next rounds are this step's again (the engine may have run later ones)
-        self.peer._call(self._engine().rewind(optimizer_round(self.step_count, EXPLICIT_RESYNC)))
+        # Round ids already run are never reused: peers that restore the same checkpoint
+        # together (same rounds run, so the same next round) move to the same fresh ids;
+        # one that restores alone is out of step and realigns (``_realign``).
+        fresh = self._engine().next_round - optimizer_round(self.step_count, EXPLICIT_RESYNC)
+        self._round_base = max(int(state.get("round_base", 0)), fresh)
+
+    def _rid(self, step: int, slot: int) -> int:
+        """The round id of ``slot`` at ``step``: the same on every peer at that step."""
+        return self._round_base + optimizer_round(step, slot)
+
+    def adopt_rounds(self, round_base: int) -> None:
+        """Take a donor's round numbering (realignment): our next rounds are the donor's,
+        even where our engine already ran later ones alone (it forgets them)."""
+        self._round_base = round_base
+        first = self._rid(self.step_count, EXPLICIT_RESYNC)
+        if self._engine().next_round > first:
+            self.peer._call(self._engine().rewind(first))
