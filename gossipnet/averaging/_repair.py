@@ -89,9 +89,7 @@ def serve_repair(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
         _, count = plan.chunk(c)
         span = plan.byte_slice(c)
         fields = {
-            "r": rnd.r,
-            "m": rnd.mode,
-            "L": rnd.layout,
+            **rnd.ident,
             "b": b,
             "c": c,
             "dt": code,

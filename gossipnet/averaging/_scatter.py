@@ -59,9 +59,7 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
         raw, code = raws[b], codes[b]
         _, count = plan.chunk(c)
         fields = {
-            "r": rnd.r,
-            "m": rnd.mode,
-            "L": rnd.layout,
+            **rnd.ident,
             "b": b,
             "c": c,
             "w": weight,
@@ -116,9 +114,7 @@ def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
     for peer in rnd.participants:
         if peer != rnd.me:
             end = {
-                "r": rnd.r,
-                "m": rnd.mode,
-                "L": rnd.layout,
+                **rnd.ident,
                 "n": rnd.rs_sent_to[peer],
                 "l": lossy,
             }

@@ -120,9 +120,7 @@ async def send_ag(
             span = plan.byte_slice(c)
             payload = raw[span.start - base : span.stop - base]
             fields = {
-                "r": rnd.r,
-                "m": rnd.mode,
-                "L": rnd.layout,
+                **rnd.ident,
                 "b": b,
                 "c": c,
                 "dt": code,
@@ -159,9 +157,7 @@ def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
     if not others:
         return
     end = {
-        "r": rnd.r,
-        "m": rnd.mode,
-        "L": rnd.layout,
+        **rnd.ident,
         "n": rnd.ag_chunks_sent,
         "l": int(engine.loss.recent),
     }
