@@ -54,7 +54,7 @@ class NodeMembership(NodeIO):
         if not isinstance(addr, str) or self.membership is None:
             return
         if not pkt.directed:
-            self.membership.learned(pkt.src, addr)
+            self.membership.learned(pkt.src, addr, self.clock.now())
             self.send_to_address(addr, Kind.HELLO, {"addr": self.address}, dst=pkt.src)
             return
         view = self._view_payload()
@@ -93,7 +93,7 @@ class NodeMembership(NodeIO):
                 isinstance(entry, list)
                 and len(entry) == 2
                 and all(isinstance(x, str) for x in entry)
-                and self.membership.learned(entry[0], entry[1])
+                and self.membership.learned(entry[0], entry[1], self.clock.now())
             ):
                 self.send_to_address(entry[1], Kind.HELLO, {"addr": self.address}, dst=entry[0])
 

@@ -90,13 +90,16 @@ class Membership:
             info.alive = True
             self._emit("joined", peer_id)
 
-    def learned(self, peer_id: str, address: str) -> bool:
-        """Someone's view names ``peer_id``; True if it is new to us (probe it)."""
+    def learned(self, peer_id: str, address: str, now: float) -> bool:
+        """Someone's view (or an undirected HELLO) names ``peer_id``; True if it is new
+        to us (probe it).  Not alive until it answers; ``now`` counts as its last sign,
+        so :meth:`prune` keeps probing it for a while instead of forgetting it (and
+        closing the socket just opened to it) at the next heartbeat."""
         if peer_id == self.self_id or peer_id in self._left:
             return False
         if peer_id in self._peers:
             return False
-        self._peers[peer_id] = PeerInfo(peer_id, address)
+        self._peers[peer_id] = PeerInfo(peer_id, address, last_seen=now)
         return True
 
     def left(self, peer_id: str, epoch: int) -> None:

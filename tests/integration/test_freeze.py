@@ -7,7 +7,7 @@ on purpose, four peers frozen in turn for longer than the failure timeout ended
 train over lossy loopback ZeroMQ; the parent freezes one, then another, each
 until the others are 15 steps further (a condition, not a time), and thaws it.
 Every replica must end bit-identical, at the same step, with equal held-out loss,
-and the frozen peers must say they realigned.
+and the frozen peers must say they realigned or repaired their replica.
 """
 
 from __future__ import annotations
@@ -95,7 +95,10 @@ def test_frozen_peers_realign_and_replicas_end_identical(
                 if f is not None:
                     f.close()
     for r in (1, 2):
-        assert results[r]["realigned"] >= 1, (r, results[r])
+        # each frozen peer repaired itself and said so: at its first round if the
+        # others were still in its view, else (it had declared them dead while frozen
+        # and trained a step alone) by the digest check of its next resync
+        assert results[r]["realigned"] + results[r]["repaired"] >= 1, (r, results[r])
     assert [res["steps"] for res in results] == [STEPS] * N
     for res in results[1:]:
         assert torch.equal(res["params"], results[0]["params"])

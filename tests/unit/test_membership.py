@@ -69,9 +69,9 @@ def test_own_packets_and_unaddressed_strangers_are_ignored() -> None:
 
 def test_learned_from_a_view_is_known_but_not_alive() -> None:
     m, events = membership()
-    assert m.learned("bob", "mem://bob") is True
-    assert m.learned("bob", "mem://bob") is False  # probe once
-    assert m.learned("me", "mem://me") is False
+    assert m.learned("bob", "mem://bob", 0.0) is True
+    assert m.learned("bob", "mem://bob", 0.0) is False  # probe once
+    assert m.learned("me", "mem://me", 0.0) is False
     assert m.alive() == ["me"]
     assert not m.is_alive("bob")
     assert m.address_of("bob") == "mem://bob"
@@ -117,7 +117,7 @@ def test_a_stale_view_never_resurrects_a_dead_peer() -> None:
     m.heard_from("bob", 7, "mem://bob", now=0.0)
     assert m.expire(TIMEOUT_S + 1.0) == ["bob"]
     # a view that still lists bob (someone has not noticed yet) changes nothing
-    assert m.learned("bob", "mem://bob") is False
+    assert m.learned("bob", "mem://bob", 0.0) is False
     # neither does a late packet of an older incarnation
     m.heard_from("bob", 6, "mem://bob", now=5.0)
     assert not m.is_alive("bob")
@@ -151,16 +151,29 @@ def test_leave_removes_at_once_and_late_packets_stay_out() -> None:
     assert m.address_of("bob") is None
     assert events.log == [("joined", "bob"), ("left", "bob")]
     m.heard_from("bob", 4, "mem://bob", now=0.1)  # in flight when it left
-    assert m.learned("bob", "mem://bob") is False  # someone's stale view
+    assert m.learned("bob", "mem://bob", 0.0) is False  # someone's stale view
     assert m.alive() == ["me"]
     m.heard_from("bob", 5, "mem://bob", now=1.0)  # a new incarnation may come back
     assert m.alive() == ["bob", "me"]
     assert events.log[-1] == ("joined", "bob")
 
 
+def test_a_peer_learned_but_not_yet_heard_is_probed_before_it_is_pruned() -> None:
+    """A peer named by a view or an undirected HELLO is kept (and probed) for the prune
+    period counted from when we learned of it.  Before, it counted from -inf: the next
+    heartbeat pruned it and closed the socket just opened to it, so a peer that
+    HELLOed a solo peer was never answered (join then failed: 8 of 12 tries)."""
+    m, _ = membership()
+    assert m.learned("bob", "mem://bob", 100.0) is True
+    assert m.prune(100.5, 10.0) == []
+    assert [p.peer_id for p in m.known()] == ["bob"]
+    assert m.prune(111.0, 10.0) == ["mem://bob"]  # never answered: forgotten in the end
+    assert m.known() == []
+
+
 def test_leave_of_a_peer_never_alive_emits_nothing() -> None:
     m, events = membership()
-    m.learned("bob", "mem://bob")
+    m.learned("bob", "mem://bob", 0.0)
     version = m.version
     m.left("bob", 1)
     assert m.known() == []
