@@ -493,7 +493,9 @@ class LossyAllReduce:
         if nxt > self.max_seen:
             self.max_seen = nxt
         rnd = self._round
-        if rnd is not None and nxt != rnd.r and pkt.src in rnd.members:
+        if rnd is not None and nxt != rnd.r:
+            # members and non-members alike: a peer that declared everyone dead while
+            # it was frozen runs its next round alone, and hears them only here
             rnd.elsewhere[pkt.src] = max(nxt, rnd.elsewhere.get(pkt.src, -1))
         if rnd is not None and nxt > rnd.r and pkt.src in rnd.members:
             # its beacon names the round after ours: it finished ours
