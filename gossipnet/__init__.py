@@ -22,7 +22,6 @@ from .errors import (
     LayoutMismatchError,
     PeerUnreachable,
     ProtocolError,
-    ReplicaDivergedError,
 )
 from .mobility.radio import RadioModel
 from .mobility.routes import Route
@@ -58,7 +57,6 @@ __all__ = (
     "ProtocolError",
     "RadioModel",
     "ReplicaCheck",
-    "ReplicaDivergedError",
     "Route",
     "TauPolicy",
     "__version__",

@@ -16,7 +16,6 @@ __all__ = (
     "LayoutMismatchError",
     "PeerUnreachable",
     "ProtocolError",
-    "ReplicaDivergedError",
     "TopologyError",
 )
 
@@ -88,12 +87,4 @@ class LayoutMismatchError(ConfigError):
     Raised by the first collective that hears such a peer: its chunks would be
     averaged into the wrong elements.  The message names the peers and both layouts;
     make every peer build the same model and pass its tensors in the same order.
-    """
-
-
-class ReplicaDivergedError(GossipError):
-    """This peer's replica disagrees with the others' and could not be repaired.
-
-    Raised where a caller asked to fail instead of training on (the demo does);
-    the optimizer itself repairs by downloading the others' state and only reports.
     """

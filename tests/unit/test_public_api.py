@@ -34,7 +34,6 @@ def test_all_is_pinned() -> None:
         "ProtocolError",
         "RadioModel",
         "ReplicaCheck",
-        "ReplicaDivergedError",
         "Route",
         "TauPolicy",
         "__version__",

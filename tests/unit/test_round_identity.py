@@ -9,7 +9,6 @@ MemoryNetwork peers in threads (``tests._peers.run_peers``), seeded, bounded.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -45,9 +44,9 @@ def _train(
     thaw: threading.Event | None = None,
     reached: Callable[[int], None] | None = None,
 ) -> Any:
-    """``steps`` SGD steps on a seeded random walk, each with 5 ms of simulated
-    compute.  At step ``freeze_at`` the whole peer (its event loop too, so no
-    heartbeat goes out: an overloaded or swapping host) stops until ``thaw`` is set;
+    """``steps`` SGD steps on a seeded random walk.  At step ``freeze_at`` the whole
+    peer (its event loop too, so no heartbeat goes out: an overloaded or swapping host)
+    stops until ``thaw`` is set;
     ``reached(step)`` is told every step count this peer reaches."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.zeros(N_PARAMS))
@@ -63,7 +62,6 @@ def _train(
         if opt.step_count == freeze_at:
             peer._call(freeze(), FREEZE_BOUND_S + 30)
             freeze_at = -1
-        time.sleep(0.005)  # the step's compute
         p.grad = torch.randn(N_PARAMS, generator=gen)
         reports.append(opt.step())
         if reached is not None:
