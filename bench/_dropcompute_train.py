@@ -21,9 +21,9 @@ import torch
 from _common import free_ports
 
 import gossipnet
-from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
-from gossipnet.averaging.dropcompute import Normalise
-from gossipnet.noise import NoisePlan
+from gossipnet.testing.noise import NoisePlan
+from gossipnet.training.autotau import AutoTau, AutoTauConfig
+from gossipnet.training.dropcompute import Normalise
 
 __all__ = ("DIM", "K", "MB", "MODES", "NET", "Run", "Settings", "run_real")
 

@@ -9,7 +9,7 @@ DGX-1 V100 and P100, ALGORITHMS.md 5.2):
 * all-reduce: the packed undirected-tree rate vs the partition bound, over NVLink only
   and over NVLink + PCIe (Blink's hybrid); the ring model (NCCL: NVLink rings, or PCIe
   when no NVLink Hamiltonian cycle exists); the modelled speed-up t_ring / t_tree for
-  a 256 MB buffer, 64 chunks per tree (formulas in ``gossipnet/averaging/blink/ring.py``);
+  a 256 MB buffer, 64 chunks per tree (formulas in ``gossipnet/collectives/blink/ring.py``);
 * the DGX-1 broadcast min cut (in links) per allocation size, next to ALGORITHMS.md's
   table, and Blink's published figure (abstract: up to 8x faster than NCCL).
 
@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 from _common import bench_parser, emit_json, free_ports, run_workers
 
-from gossipnet.averaging.blink import packing as P
-from gossipnet.averaging.blink.ring import ring_allreduce_time, ring_model, tree_allreduce_time
-from gossipnet.averaging.blink.topology import GpuTopology, parse_topo_matrix
+from gossipnet.collectives.blink import packing as P
+from gossipnet.collectives.blink.ring import ring_allreduce_time, ring_model, tree_allreduce_time
+from gossipnet.collectives.blink.topology import GpuTopology, parse_topo_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "nvidia-smi-topo"
@@ -176,8 +176,8 @@ def gpu_timing(numel: int, iters: int) -> dict[str, Any] | None:
     if n < 2:
         print(f"GPU timing skipped: {n} CUDA device(s), needs >= 2")
         return None
-    from gossipnet.averaging.blink.executor import CudaExecutor
-    from gossipnet.averaging.blink.topology import detect
+    from gossipnet.collectives.blink.executor import CudaExecutor
+    from gossipnet.collectives.blink.topology import detect
 
     topo = detect()
     gpus = tuple(range(n))

@@ -45,7 +45,7 @@ per mode: rank 0's step clock, and the trainer + event-loop threads of all
 peers.
 
 Simulated part: N = 64 with the same plans: a Monte-Carlo of the real step
-loop (``gossipnet.noise.simulate_fleet``, overhead = the N = 8 sync run's time
+loop (``gossipnet.testing.noise.simulate_fleet``, overhead = the N = 8 sync run's time
 outside compute) and, where micro-batches are i.i.d., ALGORITHMS.md 3.4's
 analytical model (sqrt(2 ln N) and Blom's order statistic) next to it.
 
@@ -74,13 +74,9 @@ import torch
 from _common import bench_parser, emit_json
 from _dropcompute_train import K, Run, Settings, run_real
 
-from gossipnet.averaging.autotau import AutoTauConfig
-from gossipnet.averaging.dropcompute import (
-    expected_completed,
-    model_speedup,
-    model_step_time,
-)
-from gossipnet.noise import LogNormalDelay, NoisePlan, SlowPeer, simulate_fleet
+from gossipnet.testing.noise import LogNormalDelay, NoisePlan, SlowPeer, simulate_fleet
+from gossipnet.training.autotau import AutoTauConfig
+from gossipnet.training.dropcompute import expected_completed, model_speedup, model_step_time
 
 
 def scenarios(base_s: float) -> dict[str, NoisePlan]:

@@ -49,7 +49,7 @@ NET = {
 def worker(rank: int, addrs: list[str], out: Path, steps: int) -> None:
     """One peer: the demo's model, data and schedule; prints ``step N``; saves results."""
     import gossipnet
-    from gossipnet._demo import DemoConfig, _setup, evaluate, lr_at, sample_windows
+    from gossipnet.demo.harness import DemoConfig, _setup, evaluate, lr_at, sample_windows
 
     torch.set_num_threads(1)
     cfg = DemoConfig(peers=len(addrs), steps=steps, loss=0.1)

@@ -59,11 +59,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _common import SPAWN, bench_parser, emit_json, free_ports, run_workers
 
 from gossipnet import Config
-from gossipnet._node import Node
-from gossipnet.averaging._moshpit_engine import GroupEngine
-from gossipnet.averaging._moshpit_grid import Grid, plan_round
-from gossipnet.averaging.allreduce import ALLREDUCE_KINDS
-from gossipnet.averaging.moshpit import MoshpitAverager, MoshpitConfig
+from gossipnet.collectives.lossy.engine import ALLREDUCE_KINDS
+from gossipnet.collectives.moshpit.averager import MoshpitAverager, MoshpitConfig
+from gossipnet.collectives.moshpit.engine import GroupEngine
+from gossipnet.collectives.moshpit.grid import Grid, plan_round
+from gossipnet.runtime.node import Node
 from gossipnet.testing import MemoryNetwork
 
 TARGET = 1e-3

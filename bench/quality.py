@@ -5,7 +5,7 @@ the *model*, not the network: at 10% random packet loss a language model should
 end within ~1% of the loss-free perplexity, because gradients are averaged
 over the packets that arrived (unbiased) and parameters a peer missed stay
 stale for a step instead of zeroed.  This bench trains the demo's
-character-level transformer (``gossipnet._demo``: N peer processes on loopback
+character-level transformer (``gossipnet.demo.harness``: N peer processes on loopback
 TCP, stdlib sources as text) at several loss rates with the same model, data
 and fault seeds, and reports each run's final held-out perplexity divided by
 the lossless run's (``rel_ppl``; 1.0 = no harm).
@@ -61,7 +61,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, when import
 
 from _common import bench_parser, emit_json
 
-from gossipnet._demo import (
+from gossipnet.collectives.lossy.parity import group_count, members
+from gossipnet.config import Config
+from gossipnet.demo.harness import (
     SPLITS,
     CharLM,
     DemoConfig,
@@ -74,8 +76,6 @@ from gossipnet._demo import (
     sample_windows,
     shard_stream,
 )
-from gossipnet.averaging._parity import group_count, members
-from gossipnet.config import Config
 
 #: (mean loss rate, mean burst length in packets or None, copies of each data packet,
 #: loss only in the last third of the steps, parity group size: None for the
@@ -140,7 +140,7 @@ def plan_key(cfg: DemoConfig) -> str:
 def ideal_eval_loss(cfg: DemoConfig, phases: str = "both") -> float:
     """Final eval loss of the loss-tolerant algorithm simulated without a network.
 
-    Same data, initial model, AdamW and LR schedule as ``gossipnet._demo``; chunks
+    Same data, initial model, AdamW and LR schedule as ``gossipnet.demo.harness``; chunks
     of ``cfg.chunk_bytes`` are owned in contiguous ranges; drops are Bernoulli
     ``cfg.loss`` per (chunk, peer) in each phase.  No periodic resync.  A missed
     parameter chunk takes the estimated step of ``Config.stale_step`` when

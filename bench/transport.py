@@ -46,6 +46,8 @@ from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
 from typing import Any
 
+from gossipnet.collectives.lossy.kinds import LossyKind
+
 HEADER = b"h" * 80
 MAC = b"m" * 16
 IDLE_S = 0.5  # a UDP receiver stops after this long without a packet
@@ -204,10 +206,10 @@ def _send(case: Case, addr: str, release: Event) -> int:
         await t.connect(addr, 5.0)  # type: ignore[attr-defined]
         encode: Callable[[int], list[Any]] = lambda i: [HEADER, payload, MAC]  # noqa: E731
         if case.variant == "gossipnet+wire":
-            from gossipnet.transport.wire import Kind, WireCodec
+            from gossipnet.transport.wire import WireCodec
 
             codec = WireCodec(b"bench", cfg, "sender")
-            encode = lambda i: codec.encode(Kind.RS_DATA, {"c": i}, payload)  # noqa: E731
+            encode = lambda i: codec.encode(LossyKind.RS_DATA, {"c": i}, payload)  # noqa: E731
         for i in range(case.packets):
             frames = encode(i)
             # send() never blocks and has no "writable" event: back off and retry.

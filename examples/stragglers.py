@@ -25,8 +25,8 @@ import time
 import torch
 
 import gossipnet
-from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
-from gossipnet.noise import LogNormalDelay, NoisePlan
+from gossipnet.testing.noise import LogNormalDelay, NoisePlan
+from gossipnet.training.autotau import AutoTau, AutoTauConfig
 
 PEERS = 4
 STEPS = 60

@@ -9,12 +9,9 @@ package has no side effects: no thread, socket or event loop starts until
 
 from __future__ import annotations
 
-from ._microbatch import MicrobatchReport
-from ._replicas import ReplicaCheck
-from .averaging.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
-from .clock import Clock, FakeClock, MonotonicClock
-from .config import Config
-from .errors import (
+from gossipnet.clock import Clock, FakeClock, MonotonicClock
+from gossipnet.config import Config
+from gossipnet.errors import (
     ClosedError,
     ConfigError,
     GossipError,
@@ -23,12 +20,15 @@ from .errors import (
     PeerUnreachable,
     ProtocolError,
 )
-from .mobility.radio import RadioModel
-from .mobility.routes import Route
-from .optim import GossipOptimizer
-from .peer import Peer, join
-from .rounds import CollectiveReport
-from .transport.faults import Crash, FaultPlan, GilbertElliott, Partition
+from gossipnet.mobility.radio import RadioModel
+from gossipnet.mobility.routes import Route
+from gossipnet.peer import Peer, join
+from gossipnet.reports import CollectiveReport
+from gossipnet.training.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
+from gossipnet.training.microbatch import MicrobatchReport
+from gossipnet.training.optimizer import GossipOptimizer
+from gossipnet.training.replicas import ReplicaCheck
+from gossipnet.transport.faults import Crash, FaultPlan, GilbertElliott, Partition
 
 __version__ = "0.1.0"
 

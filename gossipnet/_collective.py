@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from .averaging.chunks import FlatBuffer, all_finite
-from .averaging.moshpit import MoshpitConfig
+from gossipnet.collectives.chunks import FlatBuffer, all_finite
+from gossipnet.collectives.moshpit.averager import MoshpitConfig
 
 __all__ = ("FlatCache", "Staged", "moshpit_bound_s", "moshpit_config", "stage")
 

@@ -51,7 +51,7 @@ def register_command(
 
 # ---------------------------------------------------------------------- demo
 def _configure_demo(p: argparse.ArgumentParser) -> None:
-    from ._demo import SPLITS, DemoConfig
+    from gossipnet.demo.harness import SPLITS, DemoConfig
 
     d = DemoConfig()
     p.add_argument("--peers", type=int, default=d.peers, help="local peer processes")
@@ -115,7 +115,7 @@ def _configure_demo(p: argparse.ArgumentParser) -> None:
 
 
 def _demo_config(args: argparse.Namespace) -> Any:
-    from ._demo import DemoConfig
+    from gossipnet.demo.harness import DemoConfig
 
     return DemoConfig(
         peers=args.peers,
@@ -188,7 +188,7 @@ class _Progress:
 
 def _write_csv(path: Path, runs: Sequence[Any]) -> None:
     """One row per (run, peer, step); ``eval_loss`` is filled where that peer evaluated."""
-    from ._demo import StepRecord
+    from gossipnet.demo.harness import StepRecord
 
     cols = [f.name for f in dataclasses.fields(StepRecord)]
     with path.open("w", newline="") as fh:
@@ -252,7 +252,7 @@ def _plot(path: Path, runs: Sequence[Any]) -> bool:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from ._demo import run_demos
+    from gossipnet.demo.harness import run_demos
 
     try:
         lossy = _demo_config(args)
@@ -369,7 +369,7 @@ register_command("bench", "run bench/*.py (--quick) and print their JSON lines",
 def _register_testbed() -> None:
     # imported here, not at the top: the testbed package needs nothing until used,
     # but keeps its own parser next to the code it drives
-    from .testbed import cli as testbed_cli
+    from gossipnet.testbed import cli as testbed_cli
 
     register_command("testbed", testbed_cli.HELP, testbed_cli.configure, testbed_cli.main)
 

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
+from gossipnet.errors import ConfigError
 
 __all__ = ("Config",)
 
@@ -39,7 +39,7 @@ class Config:
             link's rate when a slower link or shaper would tail-drop bursts.
         use_uvloop: run the event loop on uvloop when it is installed.
         tune_malloc: on glibc, keep large allocations on the heap and freed memory
-            mapped (``gossipnet._malloc``): received messages then stop costing
+            mapped (``gossipnet.runtime._malloc``): received messages then stop costing
             page faults every round (~10% of a 25M all-reduce's CPU).  Process-wide,
             applied once at the first ``join``; False leaves the allocator alone.
         local_ipc: reach peers on ``127.0.0.1`` over a Unix socket in a directory

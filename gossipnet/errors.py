@@ -1,6 +1,6 @@
 """Exception hierarchy.
 
-Network failure is data (a :class:`~gossipnet.rounds.CollectiveReport` that
+Network failure is data (a :class:`~gossipnet.reports.CollectiveReport` that
 names who was cut), not an exception: training goes on with what arrived.
 Exceptions are for misuse and for states the caller must act on, and every
 message says what to do next.

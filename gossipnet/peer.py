@@ -1,7 +1,7 @@
 """``gossipnet.join()`` and :class:`Peer`: the synchronous facade.
 
 The training thread calls plain methods; each one submits a coroutine to
-the peer's event-loop thread (:mod:`gossipnet._loop`) and waits for it
+the peer's event-loop thread (:mod:`gossipnet.runtime.loop`) and waits for it
 with a deadline.  Tensors cross threads as CPU copies made by the caller's
 thread; results are written back on the caller's thread, so the trainer
 never races the network.
@@ -21,28 +21,28 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-from . import _signals
-from ._collective import moshpit_bound_s, moshpit_config, stage
-from ._join import resolve_join, warn_if_exposed
-from ._microbatch import MicrobatchLoop, MicrobatchReport, TauSpec
-from ._peer_core import PeerCore
-from ._replicas import ReplicaCheck
-from ._route_optim import route_average
-from .averaging.allreduce import LossyAllReduce
-from .averaging.chunks import FlatBuffer
-from .averaging.dropcompute import Normalise
-from .averaging.route import RouteTime
-from .clock import Clock
-from .config import Config
-from .errors import ConfigError
-from .mobility.radio import RadioModel
-from .mobility.routes import Route
-from .mobility.schedule import ScheduleConfig
-from .optim import GossipOptimizer
-from .rounds import CollectiveReport
+from gossipnet._collective import moshpit_bound_s, moshpit_config, stage
+from gossipnet._core import PeerCore
+from gossipnet.clock import Clock
+from gossipnet.collectives.chunks import FlatBuffer
+from gossipnet.collectives.lossy.engine import LossyAllReduce
+from gossipnet.collectives.route.averager import RouteTime
+from gossipnet.config import Config
+from gossipnet.errors import ConfigError
+from gossipnet.mobility.radio import RadioModel
+from gossipnet.mobility.routes import Route
+from gossipnet.mobility.schedule import ScheduleConfig
+from gossipnet.reports import CollectiveReport
+from gossipnet.runtime import signals as _signals
+from gossipnet.runtime.join import resolve_join, warn_if_exposed
+from gossipnet.training.dropcompute import Normalise
+from gossipnet.training.microbatch import MicrobatchLoop, MicrobatchReport, TauSpec
+from gossipnet.training.optimizer import GossipOptimizer
+from gossipnet.training.replicas import ReplicaCheck
+from gossipnet.training.route import route_average
 
 if TYPE_CHECKING:
-    from .averaging.blink.topology import GpuTopology
+    from gossipnet.collectives.blink.topology import GpuTopology
 
 __all__ = ("Peer", "join")
 
@@ -56,7 +56,7 @@ class Peer(PeerCore):
     Thread-safe: any thread may call its methods, except the peer's own
     event-loop thread (that raises ``RuntimeError`` instead of deadlocking).
     Identity, ``alive_peers``, ``stats``, ``wait_for_peers``, ``leave`` and
-    ``close`` come from :class:`gossipnet._peer_core.PeerCore`.
+    ``close`` come from :class:`gossipnet._core.PeerCore`.
     """
 
     # ------------------------------------------------------------------ collectives
@@ -109,9 +109,11 @@ class Peer(PeerCore):
 
         ``replicas[i]`` is the list of tensors on the i-th local device (same layout
         everywhere), all updated in place. Without CUDA or NVLink the local step is a
-        plain mean. See :mod:`gossipnet.averaging.blink.hierarchical`.
+        plain mean. See :mod:`gossipnet.collectives.island.hierarchical`.
         """
-        from .averaging.blink.hierarchical import island_all_reduce  # lazy: GPU-only code
+        from gossipnet.collectives.island.hierarchical import (
+            island_all_reduce,  # lazy: GPU-only code
+        )
 
         return island_all_reduce(self, replicas, timeout)
 
@@ -136,7 +138,7 @@ class Peer(PeerCore):
                 ``Config.collective_timeout_s``); a member whose leader is dead or
                 late returns after it plus ``Config.control_timeout_s`` with its own
                 values (``report.extra["leader_lost"] == 1``).
-            topology: the machine's :class:`~gossipnet.averaging.blink.topology.GpuTopology`
+            topology: the machine's :class:`~gossipnet.collectives.blink.topology.GpuTopology`
                 (default: detected once for CUDA tensors; tests inject one).
             device: this process's GPU id in ``topology`` (default: the tensors' CUDA
                 index; CPU tensors with a topology and a device use shared memory).
@@ -144,7 +146,7 @@ class Peer(PeerCore):
         Returns:
             The leader's all-reduce report (``method="island"``, ``participants`` =
             the leaders) or, for a member, its island's view (no packets sent).
-            See :mod:`gossipnet.averaging.blink.island`.
+            See :mod:`gossipnet.collectives.island.averager`.
         """
         assert self._island is not None
         return self._island.average(self, tensors, timeout, topology=topology, device=device)
@@ -318,7 +320,7 @@ class Peer(PeerCore):
     ) -> GossipOptimizer:
         """Wrap ``base`` for data-parallel training over this peer.
 
-        See :class:`gossipnet.optim.GossipOptimizer`; ``kwargs`` go to it
+        See :class:`gossipnet.training.optimizer.GossipOptimizer`; ``kwargs`` go to it
         (``resync_every_steps``, ``timeout``).
         """
         return GossipOptimizer(self, base, strategy=strategy, **kwargs)

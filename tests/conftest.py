@@ -9,7 +9,7 @@
   replays exactly; under real time it polls the predicate.
 - ``drive(clock, awaitable)``: await something that needs virtual time to pass
   (a round with lossy phases, ``send_reliable`` retries).
-- ``start_node`` / ``cluster``: started :class:`~gossipnet._node.Node` s on a
+- ``start_node`` / ``cluster``: started :class:`~gossipnet.runtime.node.Node` s on a
   :class:`~gossipnet.testing.MemoryNetwork`, named ``p0..pN-1`` at ``mem://p<i>``.
 - ``wait_until_sync`` / ``free_tcp_port`` / ``free_tcp_ports``: for the
   thread-based integration tests on real sockets.
@@ -36,8 +36,8 @@ from typing import Any, TypeVar
 import pytest
 
 from gossipnet import Config, FakeClock, FaultPlan
-from gossipnet._node import Node
 from gossipnet.clock import Clock
+from gossipnet.runtime.node import Node
 from gossipnet.testing import MemoryNetwork
 
 T = TypeVar("T")

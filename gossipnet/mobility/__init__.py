@@ -21,7 +21,7 @@ Nothing here imports the transport: a peer hands :class:`RouteGossip` its node.
 
 from __future__ import annotations
 
-from .gossip import (
+from gossipnet.mobility.gossip import (
     RouteGossip,
     partner_of,
     peer_mixing_row,
@@ -29,12 +29,18 @@ from .gossip import (
     radio_link_faults,
     round_mixing_matrix,
 )
-from .mixing import consensus_error, metropolis_weights, mix_matching, push_sum_step, sgp_out_peers
-from .radio import LinkTable, RadioModel, exchange_probability, link_table
-from .routes import CityGrid, Itinerary, Route, TrafficConfig, contact_windows
-from .schedule import Phase, Schedule, ScheduleConfig, plan_schedule
-from .simulate import STRATEGIES, Fleet, SimConfig, Trace, simulate
-from .topology import edge_colouring, fiedler_value, laplacian
+from gossipnet.mobility.mixing import (
+    consensus_error,
+    metropolis_weights,
+    mix_matching,
+    push_sum_step,
+    sgp_out_peers,
+)
+from gossipnet.mobility.radio import LinkTable, RadioModel, exchange_probability, link_table
+from gossipnet.mobility.routes import CityGrid, Itinerary, Route, TrafficConfig, contact_windows
+from gossipnet.mobility.schedule import Phase, Schedule, ScheduleConfig, plan_schedule
+from gossipnet.mobility.simulate import STRATEGIES, Fleet, SimConfig, Trace, simulate
+from gossipnet.mobility.topology import edge_colouring, fiedler_value, laplacian
 
 __all__ = (
     "STRATEGIES",

@@ -19,7 +19,7 @@ section 4; the paper was not available):
    model predicts, as keyword arguments for a ``FaultPlan`` (built by the caller).
 
 Packet kinds 64 and 65 (``KIND_DATA``, ``KIND_RECEIPT``) are the start of the wire
-module's 64-79 "route gossip" range (``Kind.ROUTE_DATA``, ``Kind.ROUTE_RECEIPT``).
+route protocol's 64-79 range (``gossipnet.collectives.route.kinds.RouteKind``).
 
 Each phase is a matching, so its pairwise average is exactly one Metropolis-Hastings
 step on that matching (every degree is 1: ``W_ij = 1/(1 + max(1, 1)) = 1/2``,
@@ -37,11 +37,11 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..rounds import CollectiveReport
-from .mixing import matching_matrix, metropolis_weights
-from .radio import RadioModel, link_table
-from .routes import Route, positions
-from .schedule import Schedule, ScheduleConfig, plan_schedule
+from gossipnet.mobility.mixing import matching_matrix, metropolis_weights
+from gossipnet.mobility.radio import RadioModel, link_table
+from gossipnet.mobility.routes import Route, positions
+from gossipnet.mobility.schedule import Schedule, ScheduleConfig, plan_schedule
+from gossipnet.reports import CollectiveReport
 
 __all__ = (
     "KIND_DATA",
@@ -167,7 +167,7 @@ def radio_link_faults(
 
 
 class GossipNode(Protocol):
-    """The part of ``gossipnet._node.Node`` that route gossip uses (docs/INTERNALS.md)."""
+    """The part of ``gossipnet.runtime.node.Node`` that route gossip uses (docs/INTERNALS.md)."""
 
     @property
     def peer_id(self) -> str: ...

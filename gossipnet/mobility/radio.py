@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .routes import Route, positions
+from gossipnet.mobility.routes import Route, positions
 
 __all__ = ("LinkTable", "RadioModel", "exchange_probability", "link_table", "static_positions")
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .radio import LinkTable
-from .topology import components, edge_colouring, fiedler_value, laplacian
+from gossipnet.mobility.radio import LinkTable
+from gossipnet.mobility.topology import components, edge_colouring, fiedler_value, laplacian
 
 __all__ = ("Phase", "Schedule", "ScheduleConfig", "feasible_graph", "plan_schedule")
 

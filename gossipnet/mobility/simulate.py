@@ -34,12 +34,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._learning import Mlp, make_dataset
-from .mixing import consensus_error, mix_matching, push_sum_step, sgp_out_peers
-from .radio import RadioModel, link_table, static_positions
-from .routes import CityGrid, Itinerary, TrafficConfig, positions
-from .schedule import ScheduleConfig, plan_schedule
-from .topology import edge_colouring
+from gossipnet.mobility._learning import Mlp, make_dataset
+from gossipnet.mobility.mixing import consensus_error, mix_matching, push_sum_step, sgp_out_peers
+from gossipnet.mobility.radio import RadioModel, link_table, static_positions
+from gossipnet.mobility.routes import CityGrid, Itinerary, TrafficConfig, positions
+from gossipnet.mobility.schedule import ScheduleConfig, plan_schedule
+from gossipnet.mobility.topology import edge_colouring
 
 __all__ = ("STRATEGIES", "Fleet", "SimConfig", "Trace", "simulate")
 

@@ -21,13 +21,13 @@ Needs root and ``ip``, ``tc``, ``nft`` (``scripts/install-testbed-deps.sh``);
 
 from __future__ import annotations
 
-from ._host import Host, Leftovers
-from ._net import Testbed, TestbedConfig
-from ._proc import HostProcess, PyTask, WorkerError
-from ._registry import cleanup_stale
-from ._shaping import LinkState
-from ._sys import TestbedError, TestbedUnavailable, unavailable_reason
-from .measure import (
+from gossipnet.testbed._host import Host, Leftovers
+from gossipnet.testbed._net import Testbed, TestbedConfig
+from gossipnet.testbed._proc import HostProcess, PyTask, WorkerError
+from gossipnet.testbed._registry import cleanup_stale
+from gossipnet.testbed._shaping import LinkState
+from gossipnet.testbed._sys import TestbedError, TestbedUnavailable, unavailable_reason
+from gossipnet.testbed.measure import (
     FrameCheck,
     LossMeasurement,
     binomial_bounds,

@@ -11,11 +11,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ._proc import HostProcess, PyTask
-from ._sys import netns_exec, run
+from gossipnet.testbed._proc import HostProcess, PyTask
+from gossipnet.testbed._sys import netns_exec, run
 
 if TYPE_CHECKING:
-    from ._net import Testbed
+    from gossipnet.testbed._net import Testbed
 
 __all__ = ("Host", "Leftovers")
 

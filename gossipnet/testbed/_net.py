@@ -27,11 +27,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from . import _registry
-from ._host import Host, Leftovers
-from ._proc import HostProcess
-from ._shaping import TABLE, LinkState, parse_counters, render_ruleset, tbf_args
-from ._sys import TestbedError, TestbedUnavailable, netns_exec, run, unavailable_reason
+from gossipnet.testbed import _registry
+from gossipnet.testbed._host import Host, Leftovers
+from gossipnet.testbed._proc import HostProcess
+from gossipnet.testbed._shaping import TABLE, LinkState, parse_counters, render_ruleset, tbf_args
+from gossipnet.testbed._sys import (
+    TestbedError,
+    TestbedUnavailable,
+    netns_exec,
+    run,
+    unavailable_reason,
+)
 
 __all__ = ("Testbed", "TestbedConfig")
 

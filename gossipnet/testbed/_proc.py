@@ -20,8 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._runner import from_json, to_json
-from ._sys import TestbedError, netns_exec
+from gossipnet.testbed._runner import from_json, to_json
+from gossipnet.testbed._sys import TestbedError, netns_exec
 
 __all__ = ("RUNNER", "HostProcess", "PyTask", "WorkerError")
 

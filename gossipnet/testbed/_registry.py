@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ._sys import TestbedError, list_netns, pid_alive, run
+from gossipnet.testbed._sys import TestbedError, list_netns, pid_alive, run
 
 __all__ = (
     "NAME_RE",

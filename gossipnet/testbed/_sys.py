@@ -15,7 +15,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from ..errors import GossipError
+from gossipnet.errors import GossipError
 
 __all__ = (
     "COMMAND_TIMEOUT_S",

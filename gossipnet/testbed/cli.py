@@ -104,7 +104,7 @@ def _apply(tb: Any, args: argparse.Namespace) -> None:
 
 
 def _check(tb: Any, count: int) -> bool:
-    from .measure import measure_links
+    from gossipnet.testbed.measure import measure_links
 
     n = len(tb.hosts)
     if n < 2 or count <= 0:
@@ -119,7 +119,7 @@ def _check(tb: Any, count: int) -> bool:
 def _start(tb: Any, args: argparse.Namespace) -> list[Any]:
     peers = [h.url(PEER_PORT) for h in tb.hosts]
     if args.train:
-        from .train import TrainSpec, train_peer
+        from gossipnet.testbed.train import TrainSpec, train_peer
 
         fast = {"heartbeat_interval_s": 0.25, "failure_timeout_s": 1.5}
         return [
@@ -193,7 +193,7 @@ def _report(args: argparse.Namespace, procs: list[Any]) -> int:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``gossipnet testbed``; returns the exit status (2 = cannot run here)."""
-    from . import Testbed, TestbedUnavailable, unavailable_reason
+    from gossipnet.testbed import Testbed, TestbedUnavailable, unavailable_reason
 
     # ``cmd``, not ``command``: gossipnet.cli keeps the subcommand's name in ``command``
     command = [a for a in (args.cmd or []) if a != "--"]

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from . import _probe
+from gossipnet.testbed import _probe
 
 if TYPE_CHECKING:
-    from ._host import Host
-    from ._net import Testbed
+    from gossipnet.testbed._host import Host
+    from gossipnet.testbed._net import Testbed
 
 __all__ = (
     "FrameCheck",

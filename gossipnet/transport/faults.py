@@ -33,10 +33,17 @@ import random
 from collections.abc import Sequence
 from typing import ClassVar
 
-from ..clock import Clock, TimerHandle
-from ..errors import ClosedError
-from ._fault_plan import Crash, FaultPlan, FaultStats, GilbertElliott, Link, Partition
-from .base import Buffer, PacketHandler, Transport, TransportStats
+from gossipnet.clock import Clock, TimerHandle
+from gossipnet.errors import ClosedError
+from gossipnet.transport.base import Buffer, PacketHandler, Transport, TransportStats
+from gossipnet.transport.fault_plan import (
+    Crash,
+    FaultPlan,
+    FaultStats,
+    GilbertElliott,
+    Link,
+    Partition,
+)
 
 __all__ = ("Crash", "FaultPlan", "FaultStats", "FaultyTransport", "GilbertElliott", "Partition")
 

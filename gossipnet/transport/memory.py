@@ -25,8 +25,8 @@ import threading
 from collections.abc import Sequence
 from typing import ClassVar
 
-from ..errors import ClosedError, ConfigError
-from .base import Buffer, PacketHandler, Transport
+from gossipnet.errors import ClosedError, ConfigError
+from gossipnet.transport.base import Buffer, PacketHandler, Transport
 
 __all__ = ("MemoryNetwork", "MemoryTransport")
 

@@ -51,16 +51,15 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any, TypeGuard
 
 import msgpack
 import torch
 
-from ..clock import Clock, MonotonicClock
-from ..config import Config
-from ._mac import make_signer
-from .base import Buffer
+from gossipnet.clock import Clock, MonotonicClock
+from gossipnet.config import Config
+from gossipnet.transport.base import Buffer
+from gossipnet.transport.mac import make_signer
 
 __all__ = (
     "DTYPES",
@@ -68,7 +67,6 @@ __all__ = (
     "MAC_BYTES",
     "RESERVED_KEYS",
     "VERSION",
-    "Kind",
     "Packet",
     "Suspect",
     "WireCodec",
@@ -116,55 +114,6 @@ _SUSPECT_CHARS = 128
 _INT64_MAX = (1 << 63) - 1
 #: A sender cannot have sent more than one packet per this many ns since its epoch.
 _MIN_NS_PER_PACKET = 100
-
-
-class Kind(IntEnum):
-    """Packet kinds, by range so a dispatcher can tell the owner at a glance.
-
-    1-15 node/membership, 16-31 all-reduce/broadcast, 32-47 Moshpit,
-    48-63 state transfer, 64-79 route gossip, 80-95 Blink island control (one
-    process per GPU: discovery, shared-buffer handles, ready/done).  Decoding does
-    not reject unknown kinds (a newer peer may send one); the node counts them as
-    unhandled.
-    """
-
-    HELLO = 1
-    HELLO_ACK = 2
-    HEARTBEAT = 3
-    LEAVE = 4
-    ACK = 5
-    VIEW = 6
-    RS_DATA = 16
-    AG_DATA = 17
-    BCAST = 18
-    ROUND = 19
-    RS_END = 20
-    AG_END = 21
-    REPAIR = 22
-    # the optimizer's own engine (gradient rounds and resyncs, numbered by training
-    # step), apart from plain ``all_reduce`` calls so the two never mix
-    OPT_RS_DATA = 23
-    OPT_AG_DATA = 24
-    OPT_RS_END = 25
-    OPT_AG_END = 26
-    OPT_REPAIR = 27
-    OPT_DIGEST = 28  # a replica digest after a resync, sent at once (also in heartbeats)
-    MOSH_JOIN = 32
-    MOSH_GROUP = 33
-    MOSH_RS_DATA = 34
-    MOSH_AG_DATA = 35
-    MOSH_RS_END = 36
-    MOSH_AG_END = 37
-    MOSH_REPAIR = 38
-    STATE_REQ = 48
-    STATE_DATA = 49
-    ROUTE_DATA = 64
-    ROUTE_RECEIPT = 65
-    ROUTE_SHARE = 66
-    ISLAND_INFO = 80
-    ISLAND_SHARE = 81
-    ISLAND_READY = 82
-    ISLAND_DONE = 83
 
 
 @dataclass(slots=True, frozen=True)
@@ -362,7 +311,7 @@ class WireCodec:
         payload.  Such a packet is rejected anywhere else.
 
         Args:
-            kind: a :class:`Kind` (or any int in [0, 65535]).
+            kind: a protocol's packet kind (its ``kinds`` module), any int in [0, 65535].
             fields: caller header fields: str keys, msgpack-able values (ints,
                 str, floats, bools, small lists); nested maps need str keys.
             payload: raw bytes; a memoryview is re-viewed as bytes, never copied.

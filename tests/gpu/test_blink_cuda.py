@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from gossipnet.averaging.blink import packing as P
-from gossipnet.averaging.blink.executor import CpuExecutor, CudaExecutor
-from gossipnet.averaging.blink.hierarchical import IslandAverager
-from gossipnet.averaging.blink.topology import detect
+from gossipnet.collectives.blink import packing as P
+from gossipnet.collectives.blink.executor import CpuExecutor, CudaExecutor
+from gossipnet.collectives.blink.topology import detect
+from gossipnet.collectives.island.hierarchical import IslandAverager
 
 pytestmark = pytest.mark.timeout(120)
 SEED = 5

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipnet.averaging.blink._island_share import SharedBuckets, load_handles, open_handles
+from gossipnet.collectives.island.share import SharedBuckets, load_handles, open_handles
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -28,7 +28,7 @@ LAYOUT = [(100_003, torch.float32), (4_099, torch.float64)]
 
 CHILD = """
 import sys, torch
-from gossipnet.averaging.blink._island_share import SharedBuckets, load_handles, open_handles
+from gossipnet.collectives.island.share import SharedBuckets, load_handles, open_handles
 layout = [(100_003, torch.float32), (4_099, torch.float64)]
 theirs = open_handles(load_handles(sys.stdin.buffer.read()), layout)
 for t in theirs:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import gossipnet
-from gossipnet.averaging.blink.topology import GpuTopology
+from gossipnet.collectives.blink.topology import GpuTopology
 
 TOPOLOGY = GpuTopology(gpus=(0, 1, 2), nvlinks={(0, 1): 2, (1, 2): 1, (0, 2): 1})
 NET = {

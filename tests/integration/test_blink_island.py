@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet.averaging.blink._island_proto import IslandInfo
-from gossipnet.averaging.blink.island import island_label, plan_islands
+from gossipnet.collectives.island.averager import island_label, plan_islands
+from gossipnet.collectives.island.proto import IslandInfo
 from tests._peers import run_peers
 
 from ._island_worker import NET, TIMEOUT_S, TOPOLOGY, values
@@ -186,7 +186,7 @@ def test_handle_payloads_never_resolve_globals() -> None:
     import os
     import pickle
 
-    from gossipnet.averaging.blink._island_share import load_handles, open_handles
+    from gossipnet.collectives.island.share import load_handles, open_handles
 
     with pytest.raises(ValueError, match="plain values"):
         load_handles(pickle.dumps([(os.system, ("true",))]))
@@ -203,7 +203,7 @@ def test_bucket_files_of_killed_processes_are_swept(
     import os
     import signal
 
-    from gossipnet.averaging.blink import _island_share as share
+    from gossipnet.collectives.island import share
 
     # a process that waits for a signal (the SIGKILL below) and does nothing else
     victim = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
-from gossipnet.noise import LogNormalDelay, NoisePlan
+from gossipnet.testing.noise import LogNormalDelay, NoisePlan
+from gossipnet.training.autotau import AutoTau, AutoTauConfig
 
 pytestmark = pytest.mark.timeout(40)
 

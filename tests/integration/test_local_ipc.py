@@ -21,9 +21,9 @@ import pytest
 import zmq
 
 from gossipnet.config import Config
-from gossipnet.transport import _local_ipc
 from gossipnet.transport.base import LocalFrames
-from gossipnet.transport.zeromq import ZmqTransport
+from gossipnet.transport.zeromq import local_ipc as _local_ipc
+from gossipnet.transport.zeromq.backend import ZmqTransport
 
 pytestmark = [
     pytest.mark.timeout(20),

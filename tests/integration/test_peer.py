@@ -249,7 +249,7 @@ def test_parity_rebuilds_lost_chunks_over_zeromq(
     ends) are bit-exact, so every chunk a peer does not own holds either its owner's
     average, byte for byte, or the peer's own value (and is counted stale), and
     fewer chunks are stale than packets were lost."""
-    from gossipnet.averaging.chunks import ChunkPlan, ShardMap
+    from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 
     addresses = [f"tcp://127.0.0.1:{port}" for port in free_tcp_ports(3)]
     conf = {**NET, "chunk_bytes": 4096, "parity_group": 2, "parity_always": True}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gossipnet._demo import DemoConfig, run_demos
+from gossipnet.demo.harness import DemoConfig, run_demos
 
 pytestmark = pytest.mark.slow
 

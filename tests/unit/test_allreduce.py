@@ -20,14 +20,15 @@ import pytest
 import torch
 
 from gossipnet import CollectiveReport, Config, FakeClock, FaultPlan
-from gossipnet._node import Node
-from gossipnet.averaging._round_id import layout_of
-from gossipnet.averaging.allreduce import END_COPIES, LossyAllReduce, OwnedShard
-from gossipnet.averaging.chunks import ChunkPlan, ShardMap
 from gossipnet.clock import Clock
+from gossipnet.collectives.chunks import ChunkPlan, ShardMap
+from gossipnet.collectives.lossy.engine import END_COPIES, LossyAllReduce, OwnedShard
+from gossipnet.collectives.lossy.kinds import LossyKind
+from gossipnet.collectives.lossy.round_id import layout_of
+from gossipnet.runtime.node import Node
 from gossipnet.testing import MemoryNetwork, MemoryTransport
 from gossipnet.transport.faults import GilbertElliott
-from gossipnet.transport.wire import Kind, Packet, WireCodec
+from gossipnet.transport.wire import Packet, WireCodec
 
 N = 4
 CHUNK_BYTES = 1024
@@ -326,7 +327,7 @@ def test_a_weight_zero_owner_never_leaks_its_values_under_loss(
         clock = FakeClock()
         async with cluster(N, config=cfg, clock=clock) as nodes:
             engines = engines_of(nodes)
-            lose_on_arrival(nodes[0], lambda pkt: pkt.kind == Kind.RS_DATA and pkt.src == "p3")
+            lose_on_arrival(nodes[0], lambda pkt: pkt.kind == LossyKind.RS_DATA and pkt.src == "p3")
             inputs = [[torch.full((NUMEL,), float(10**i))] for i in range(N)]
             reports = await allreduce(drive, clock, engines, inputs, weights=[0.0, 0.0, 0.0, 1.0])
             # p0 holds no weighted value for its chunks, so it shares none: p3 keeps its own
@@ -523,7 +524,7 @@ def test_lost_end_markers_do_not_stall_a_cold_round(
         clock = FakeClock()
         async with cluster(N, config=cfg, clock=clock) as nodes:
             engines = engines_of(nodes)
-            lose_on_arrival(nodes[0], lambda pkt: pkt.kind == Kind.RS_END and pkt.src == "p1")
+            lose_on_arrival(nodes[0], lambda pkt: pkt.kind == LossyKind.RS_END and pkt.src == "p1")
             gen = torch.Generator().manual_seed(9)
             inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
             mean = torch.stack([x[0].double() for x in inputs]).mean(0)
@@ -549,9 +550,9 @@ def test_lost_end_markers_and_data_do_not_stall_a_cold_round(
     def drop(pkt: Packet) -> bool:
         if pkt.src != "p1":
             return False
-        if pkt.kind == Kind.RS_END:
+        if pkt.kind == LossyKind.RS_END:
             return True
-        if pkt.kind == Kind.RS_DATA and pkt.fields.get("c") == lost_chunk:
+        if pkt.kind == LossyKind.RS_DATA and pkt.fields.get("c") == lost_chunk:
             lost["data"] += 1
             return True
         return False
@@ -693,13 +694,13 @@ def chunk_fields(r: int, c: int, numel: int = NUMEL) -> dict[str, Any]:
 
 
 @pytest.mark.timeout(15)
-@pytest.mark.parametrize("kind", [Kind.RS_DATA, Kind.AG_DATA], ids=["reduce", "gather"])
+@pytest.mark.parametrize("kind", [LossyKind.RS_DATA, LossyKind.AG_DATA], ids=["reduce", "gather"])
 def test_non_finite_packets_are_dropped_and_counted(
     run_async: Callable[..., Any],
     cluster: Any,
     drive: Any,
     wait_until: Any,
-    kind: Kind,
+    kind: LossyKind,
     cfg: Config,
 ) -> None:
     own = owners(NUMEL)
@@ -710,7 +711,7 @@ def test_non_finite_packets_are_dropped_and_counted(
             engines = engines_of(nodes)
             # p1 sends, ahead of round 0, a chunk with one NaN: to p0 as a
             # contribution to p0's shard, or to p2 as the average of p1's shard
-            if kind == Kind.RS_DATA:
+            if kind == LossyKind.RS_DATA:
                 chunk, dst = own.index("p0"), 0
             else:
                 chunk, dst = own.index("p1"), 2
@@ -748,7 +749,7 @@ def test_forged_packets_are_rejected_before_they_touch_a_buffer(
             forger = WireCodec(b"not-the-secret", cfg, "p1")
             huge = torch.full((CHUNK_BYTES // 4,), 1e30).numpy().tobytes()
             fields = chunk_fields(0, own.index("p0"))
-            assert rogue.send("mem://p0", forger.encode(Kind.RS_DATA, fields, huge))
+            assert rogue.send("mem://p0", forger.encode(LossyKind.RS_DATA, fields, huge))
             gen = torch.Generator().manual_seed(7)
             inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
             mean = torch.stack([x[0].double() for x in inputs]).mean(0)
@@ -777,7 +778,7 @@ def test_packets_of_an_old_round_are_counted_late(
             late = engines[0].dropped["late"]
             # a replayed-looking contribution to round 0, after round 0 ended
             junk = torch.full((CHUNK_BYTES // 4,), 1e6).numpy().tobytes()
-            assert nodes[1].send("p0", Kind.RS_DATA, chunk_fields(0, own.index("p0")), junk)
+            assert nodes[1].send("p0", LossyKind.RS_DATA, chunk_fields(0, own.index("p0")), junk)
             await wait_until(lambda: engines[0].dropped["late"] == late + 1, 0.1, clock=clock)
             inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
             mean = torch.stack([x[0].double() for x in inputs]).mean(0)
@@ -986,7 +987,7 @@ def test_contributions_after_the_reduce_scatter_closed_are_late(
             lost: list[Packet] = []
 
             def first_from_p1(p: Packet) -> bool:
-                hit = p.kind == Kind.RS_DATA and p.src == "p1" and p.fields["c"] == target
+                hit = p.kind == LossyKind.RS_DATA and p.src == "p1" and p.fields["c"] == target
                 if hit and not lost:
                     lost.append(p)
                     return True
@@ -998,7 +999,9 @@ def test_contributions_after_the_reduce_scatter_closed_are_late(
 
             def late_copy(shards: list[OwnedShard]) -> list[torch.Tensor]:
                 # ... and p1's next contribution arrives once p0 has averaged
-                injected.append(nodes[1].send("p0", Kind.RS_DATA, chunk_fields(0, target), junk))
+                injected.append(
+                    nodes[1].send("p0", LossyKind.RS_DATA, chunk_fields(0, target), junk)
+                )
                 return [s.average for s in shards]
 
             gen = torch.Generator().manual_seed(12)
@@ -1037,7 +1040,7 @@ def test_no_end_markers_on_a_quiet_network_and_copies_once_loss_shows(
             send = nodes[0].transport.send
 
             def spy(dst: str, frames: Any, *, urgent: bool = False) -> bool:
-                if msgpack.unpackb(bytes(frames[0]))["k"] in (Kind.RS_END, Kind.AG_END):
+                if msgpack.unpackb(bytes(frames[0]))["k"] in (LossyKind.RS_END, LossyKind.AG_END):
                     ends[0] += 1
                 return bool(send(dst, frames, urgent=urgent))
 
@@ -1045,7 +1048,9 @@ def test_no_end_markers_on_a_quiet_network_and_copies_once_loss_shows(
             # from round 8 on, p1 loses everything p2 sends it in the reduce-scatter
             lose_on_arrival(
                 nodes[1],
-                lambda p: lossy[0] and p.src == "p2" and p.kind in (Kind.RS_DATA, Kind.RS_END),
+                lambda p: (
+                    lossy[0] and p.src == "p2" and p.kind in (LossyKind.RS_DATA, LossyKind.RS_END)
+                ),
             )
             gen = torch.Generator().manual_seed(13)
             per_round, slowest = [], []

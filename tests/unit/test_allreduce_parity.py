@@ -17,12 +17,13 @@ import pytest
 import torch
 
 from gossipnet import CollectiveReport, Config, ConfigError, FakeClock, FaultPlan
-from gossipnet.averaging._parity import group_count, members, parities, recover
-from gossipnet.averaging._round_id import layout_of
-from gossipnet.averaging.allreduce import LossyAllReduce
-from gossipnet.averaging.chunks import ChunkPlan, ShardMap
 from gossipnet.clock import Clock
-from gossipnet.transport.wire import Kind, Packet
+from gossipnet.collectives.chunks import ChunkPlan, ShardMap
+from gossipnet.collectives.lossy.engine import LossyAllReduce
+from gossipnet.collectives.lossy.kinds import LossyKind
+from gossipnet.collectives.lossy.parity import group_count, members, parities, recover
+from gossipnet.collectives.lossy.round_id import layout_of
+from gossipnet.transport.wire import Packet
 
 from .test_allreduce import lose_on_arrival
 
@@ -97,8 +98,8 @@ def test_a_loss_parity_can_repair_leaves_the_round_exact(
     def lost(pkt: Packet) -> bool:
         if "g" in pkt.fields or pkt.fields.get("r") != 0:
             return False
-        rs = pkt.kind == Kind.RS_DATA and pkt.src == "p3" and pkt.fields["c"] == rs_lost
-        ag = pkt.kind == Kind.AG_DATA and pkt.src == "p2" and pkt.fields["c"] == ag_lost
+        rs = pkt.kind == LossyKind.RS_DATA and pkt.src == "p3" and pkt.fields["c"] == rs_lost
+        ag = pkt.kind == LossyKind.AG_DATA and pkt.src == "p2" and pkt.fields["c"] == ag_lost
         return rs or ag
 
     async def main() -> None:
@@ -172,7 +173,7 @@ def test_auto_parity_stops_on_a_quiet_network_and_resumes_on_loss(
 
     def lost(pkt: Packet) -> bool:  # one broadcast chunk of one round, at p0
         f = pkt.fields
-        return pkt.kind == Kind.AG_DATA and f.get("r") == lossy_round and f.get("c") == 13
+        return pkt.kind == LossyKind.AG_DATA and f.get("r") == lossy_round and f.get("c") == 13
 
     async def main() -> None:
         clock = FakeClock()
@@ -220,7 +221,7 @@ def test_forged_parity_is_counted_and_harmless(
             engines = [LossyAllReduce(n) for n in nodes]
             layout, _ = layout_of([ChunkPlan(NUMEL, torch.float32, CHUNK_BYTES)])
             head = {"r": 0, "m": 0, "L": layout, "b": 0, "w": 1.0, "n": payload_bytes, **fields}
-            assert nodes[1].send("p0", Kind.RS_DATA, head, b"\xff" * payload_bytes)
+            assert nodes[1].send("p0", LossyKind.RS_DATA, head, b"\xff" * payload_bytes)
             inputs = [torch.full((NUMEL,), float(i)) for i in range(N)]
             reports = await allreduce(drive, clock, engines, inputs)
             assert engines[0].dropped[reason] == 1

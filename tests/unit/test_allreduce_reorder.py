@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from gossipnet.averaging._cut import ReorderWindow
+from gossipnet.collectives.lossy.cut import ReorderWindow
 from gossipnet.config import Config
 from gossipnet.testing import FaultPlan
 

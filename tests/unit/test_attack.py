@@ -23,8 +23,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossipnet import Config, FakeClock
-from gossipnet.averaging.statesync import StateSync
-from gossipnet.transport.wire import Kind, WireCodec
+from gossipnet.collectives.statesync.kinds import StateKind
+from gossipnet.collectives.statesync.sync import StateSync
+from gossipnet.runtime.kinds import NodeKind
+from gossipnet.transport.wire import WireCodec
 
 SECRET = b"test-secret"  # the cluster fixture's
 NET = {"heartbeat_interval_s": 0.1, "failure_timeout_s": 0.6, "control_timeout_s": 1.0}
@@ -89,7 +91,7 @@ def test_huge_beacon_neither_reaches_engines_nor_kills_the_heartbeat(
             heard: list[dict[str, Any]] = []
             b.on_heartbeat(lambda pkt: heard.append(dict(pkt.fields)))
             forged = {"addr": "mem://mallory", "ar": 2**64 - 1}
-            b._on_frames(forge("mallory", Kind.HEARTBEAT, forged, epoch=1, seq=0, to="p1"))
+            b._on_frames(forge("mallory", NodeKind.HEARTBEAT, forged, epoch=1, seq=0, to="p1"))
             assert b.codec.rejects["beacon_range"] == 1
             assert all(f.get("ar", 0) < 2**62 for f in heard)
             a.beacon["ar"] = 2**64  # what an engine that took the forged round would set
@@ -116,7 +118,9 @@ def test_epoch_from_the_future_cannot_lock_a_peer_out(
         clock = FakeClock()
         async with cluster(2, config=Config(**NET), clock=clock) as (a, b):
             for epoch in (2**63 - 1, 2**63, time.time_ns() + 3_600 * 10**9):
-                beat = forge("p0", Kind.HEARTBEAT, {"addr": a.address}, epoch=epoch, seq=0, to="p1")
+                beat = forge(
+                    "p0", NodeKind.HEARTBEAT, {"addr": a.address}, epoch=epoch, seq=0, to="p1"
+                )
                 b._on_frames(beat)
             assert b.codec.rejects["future_epoch"] == 2
             assert b.codec.rejects["header_fields"] == 1
@@ -188,9 +192,9 @@ def _evil_manifest_server(node: Any, fields: dict[str, Any], body: Any) -> None:
     def answer(pkt: Any) -> None:
         if pkt.fields.get("op") == "man":
             head = {"op": "man", "x": pkt.fields["x"], "sid": "s1", "cb": CHUNK, **fields}
-            node.send(pkt.src, Kind.STATE_DATA, head, msgpack.packb(body))
+            node.send(pkt.src, StateKind.DATA, head, msgpack.packb(body))
 
-    node.subscribe(Kind.STATE_REQ, answer)
+    node.subscribe(StateKind.REQ, answer)
 
 
 GOOD_BODY = {"d": bytes(16), "w": bytes(32), "m": {}}
@@ -239,7 +243,7 @@ def test_a_manifest_from_another_peer_than_asked_is_dropped(
             a, b, m = nodes
             data = os.urandom(20 * CHUNK)
             StateSync(a).publish(data)
-            serve = a._subscribers[Kind.STATE_REQ]
+            serve = a._subscribers[StateKind.REQ]
             first = [True]
 
             def gate(pkt: Any) -> None:
@@ -247,11 +251,11 @@ def test_a_manifest_from_another_peer_than_asked_is_dropped(
                     first[0] = False  # p0 misses this request; p2 answers it
                     head = {"op": "man", "x": pkt.fields["x"], "sid": "evil", "sz": len(data)}
                     body = {"d": bytes(16 * 20), "w": bytes(32), "m": {}}
-                    m.send("p1", Kind.STATE_DATA, dict(head, cb=CHUNK), msgpack.packb(body))
+                    m.send("p1", StateKind.DATA, dict(head, cb=CHUNK), msgpack.packb(body))
                     return
                 serve(pkt)
 
-            a.subscribe(Kind.STATE_REQ, gate)
+            a.subscribe(StateKind.REQ, gate)
             sync = StateSync(b)
             got, rep = await drive(clock, sync.download(sources=["p0"], timeout_s=5.0))
             assert got == data
@@ -362,13 +366,13 @@ def test_a_chunk_longer_than_its_manifest_says_is_corrupt(
                 if op == "man":
                     head = {"op": "man", "x": x, "sid": "s1", "sz": 4 * CHUNK, "cb": CHUNK}
                     body = {"d": digests, "w": bytes(32), "m": {}}
-                    a.send(pkt.src, Kind.STATE_DATA, head, msgpack.packb(body))
+                    a.send(pkt.src, StateKind.DATA, head, msgpack.packb(body))
                 elif op == "get":
                     for c in range(4):
                         head = {"op": "chunk", "x": x, "sid": "s1", "c": c, "dt": "u8"}
-                        a.send(pkt.src, Kind.STATE_DATA, dict(head, n=2 * CHUNK), big[c])
+                        a.send(pkt.src, StateKind.DATA, dict(head, n=2 * CHUNK), big[c])
 
-            a.subscribe(Kind.STATE_REQ, answer)
+            a.subscribe(StateKind.REQ, answer)
             sync = StateSync(b)
             got, rep = await drive(clock, sync.download(sources=["p0"], timeout_s=2.0))
             assert got is None
@@ -391,7 +395,7 @@ def test_membership_fuzz_no_forged_control_packet_breaks_the_node(
     rng = random.Random(19)
     values: list[Any] = [2**64 - 1, 2**63, 2**62, -1, -(2**63), True, None, 1.5, "x" * 50,
                          b"\x00" * 8, [1, 2**64 - 1], {"a": 1}]  # fmt: skip
-    kinds = [Kind.HELLO, Kind.HELLO_ACK, Kind.HEARTBEAT, Kind.LEAVE, Kind.ACK]
+    kinds = [NodeKind.HELLO, NodeKind.HELLO_ACK, NodeKind.HEARTBEAT, NodeKind.LEAVE, NodeKind.ACK]
     keys = ["addr", "rq", "ak", "ar", "r", "mpt", "rv"]
 
     def view() -> bytes:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from gossipnet.averaging.blink import packing as P
-from gossipnet.averaging.blink.executor import CpuExecutor, CudaExecutor
-from gossipnet.averaging.blink.schedule import Op, build_schedule, split_by_rate
-from gossipnet.averaging.blink.topology import parse_topo_matrix
+from gossipnet.collectives.blink import packing as P
+from gossipnet.collectives.blink.executor import CpuExecutor, CudaExecutor
+from gossipnet.collectives.blink.schedule import Op, build_schedule, split_by_rate
+from gossipnet.collectives.blink.topology import parse_topo_matrix
 
 from ._blink_fixtures import FIXTURES, allocation
 

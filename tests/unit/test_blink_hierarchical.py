@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet.averaging.blink.executor import CpuExecutor
-from gossipnet.averaging.blink.hierarchical import IslandAverager
-from gossipnet.averaging.blink.topology import parse_topo_matrix
+from gossipnet.collectives.blink.executor import CpuExecutor
+from gossipnet.collectives.blink.topology import parse_topo_matrix
+from gossipnet.collectives.island.hierarchical import IslandAverager
 from tests._peers import run_peers
 
 from ._blink_fixtures import FIXTURES

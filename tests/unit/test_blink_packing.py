@@ -11,17 +11,17 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from gossipnet.averaging.blink import packing as P
-from gossipnet.averaging.blink._graph import (
+from gossipnet.collectives.blink import packing as P
+from gossipnet.collectives.blink._graph import (
     cut_rows,
     max_flow,
     min_arborescence,
     partition_bound,
     partition_rows,
 )
-from gossipnet.averaging.blink._lp import max_sum
-from gossipnet.averaging.blink.ring import best_ring, ring_model
-from gossipnet.averaging.blink.topology import parse_topo_matrix
+from gossipnet.collectives.blink._lp import max_sum
+from gossipnet.collectives.blink.ring import best_ring, ring_model
+from gossipnet.collectives.blink.topology import parse_topo_matrix
 
 from ._blink_fixtures import FIXTURES, SUBSETS, allocation, dgx1v
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from gossipnet.averaging.blink import _detect, _nvml
-from gossipnet.averaging.blink.topology import (
+from gossipnet.collectives.blink import _detect, _nvml
+from gossipnet.collectives.blink.topology import (
     DEFAULT_LINK_GBPS,
     GpuTopology,
     detect,
@@ -418,7 +418,7 @@ def test_nvml_old_binding_without_remote_type() -> None:
 # ------------------------------------------------------------------ detect()
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the no-GPU path for real")
 def test_detect_returns_none_without_gpu(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="gossipnet.averaging.blink._detect"):
+    with caplog.at_level(logging.DEBUG, logger="gossipnet.collectives.blink._detect"):
         assert detect() is None
     assert "no CUDA device" in caplog.text
 
@@ -457,7 +457,7 @@ def test_detect_maps_nvml_order_to_cuda_order(monkeypatch: pytest.MonkeyPatch) -
 
 @pytest.mark.usefixtures("two_fake_gpus")
 def test_detect_falls_back_to_torch_p2p(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="gossipnet.averaging.blink._detect"):
+    with caplog.at_level(logging.DEBUG, logger="gossipnet.collectives.blink._detect"):
         topo = detect(nvml_module=FakeNvml({0: [], 1: []}, fail_init=True))
     assert topo is not None
     assert topo.source == "torch"

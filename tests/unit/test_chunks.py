@@ -1,4 +1,4 @@
-"""Unit tests for gossipnet.averaging.chunks: layout, zero-copy paths, chunking, ownership."""
+"""Unit tests for gossipnet.collectives.chunks: layout, zero-copy paths, chunking, ownership."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipnet.averaging.chunks import ChunkPlan, FlatBuffer, ShardMap, as_bytes, from_bytes
+from gossipnet.collectives.chunks import ChunkPlan, FlatBuffer, ShardMap, as_bytes, from_bytes
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 SHAPES = ((3, 4), (7,), (), (2, 3, 5), (0,), (1, 1), (129,))
@@ -313,7 +313,7 @@ def test_parameters_flatten_without_autograd() -> None:
 
 
 def test_public_names_are_pinned() -> None:
-    from gossipnet.averaging import chunks
+    from gossipnet.collectives import chunks
 
     assert chunks.__all__ == (
         "ChunkPlan",
@@ -327,7 +327,7 @@ def test_public_names_are_pinned() -> None:
 
 
 def test_auto_chunk_bytes_grows_with_the_bucket_within_bounds() -> None:
-    from gossipnet.averaging.chunks import AUTO_CHUNKS, auto_chunk_bytes
+    from gossipnet.collectives.chunks import AUTO_CHUNKS, auto_chunk_bytes
 
     base, cap = 256 * 1024, 1024 * 1024
     assert auto_chunk_bytes(1000, base, cap) == base  # small buckets keep the base size
@@ -348,7 +348,7 @@ def test_auto_chunk_bytes_grows_with_the_bucket_within_bounds() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_all_finite_finds_every_nan_and_inf(dtype: torch.dtype) -> None:
-    from gossipnet.averaging.chunks import all_finite
+    from gossipnet.collectives.chunks import all_finite
 
     x = torch.linspace(-100, 100, 1001).to(dtype)
     assert all_finite(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossipnet._demo import DemoConfig, LateLoss, shard_stream
+from gossipnet.demo.harness import DemoConfig, LateLoss, shard_stream
 
 
 def test_late_loss_is_off_until_switched_on() -> None:

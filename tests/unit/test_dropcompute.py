@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gossipnet._microbatch import MicrobatchLoop, MicrobatchReport
-from gossipnet.averaging.autotau import AutoTau, AutoTauConfig, FixedTau
-from gossipnet.averaging.dropcompute import (
+from gossipnet.clock import FakeClock
+from gossipnet.testing.noise import LogNormalDelay, NoisePlan, SlowPeer, Stall, simulate_fleet
+from gossipnet.training.autotau import AutoTau, AutoTauConfig, FixedTau
+from gossipnet.training.dropcompute import (
     best_threshold,
     contribution,
     expected_completed,
@@ -24,8 +25,7 @@ from gossipnet.averaging.dropcompute import (
     threshold_grid,
     threshold_scores,
 )
-from gossipnet.clock import FakeClock
-from gossipnet.noise import LogNormalDelay, NoisePlan, SlowPeer, Stall, simulate_fleet
+from gossipnet.training.microbatch import MicrobatchLoop, MicrobatchReport
 
 HEAVY = LogNormalDelay(delay_factor=4.0, sigma=1.5)
 
@@ -371,7 +371,7 @@ def test_grid_is_the_authors_range() -> None:
 
 def test_one_autotau_serves_one_peer() -> None:
     """Its timings are one peer's: handing it to a second peer is a mistake."""
-    from gossipnet._microbatch import MicrobatchState
+    from gossipnet.training.microbatch import MicrobatchState
 
     auto = AutoTau()
     first, second = object(), object()

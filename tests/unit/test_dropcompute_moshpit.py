@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet.averaging.dropcompute import Normalise
 from gossipnet.clock import FakeClock
+from gossipnet.training.dropcompute import Normalise
 from tests._peers import run_peers
 
 pytestmark = pytest.mark.timeout(60)

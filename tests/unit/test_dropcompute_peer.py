@@ -19,11 +19,11 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet._microbatch import gather_rows
-from gossipnet.averaging.autotau import AutoTau, AutoTauConfig
-from gossipnet.averaging.dropcompute import Normalise
 from gossipnet.clock import FakeClock
-from gossipnet.noise import LogNormalDelay, NoisePlan, Stall
+from gossipnet.testing.noise import LogNormalDelay, NoisePlan, Stall
+from gossipnet.training.autotau import AutoTau, AutoTauConfig
+from gossipnet.training.dropcompute import Normalise
+from gossipnet.training.microbatch import gather_rows
 from tests._peers import run_peers as _run_peers
 
 FAST = {"heartbeat_interval_s": 0.05, "failure_timeout_s": 1.0, "collective_timeout_s": 5.0}

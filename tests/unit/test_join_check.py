@@ -13,14 +13,17 @@ import logging
 import pytest
 
 import gossipnet
-from gossipnet import Config, ConfigError, FakeClock, _join, _join_check
+from gossipnet import Config, ConfigError, FakeClock
+from gossipnet.runtime import _join_check
+from gossipnet.runtime import join as _join
+from gossipnet.runtime.kinds import NodeKind
 from gossipnet.transport import check_peer_address
-from gossipnet.transport.wire import Kind, Suspect, WireCodec
+from gossipnet.transport.wire import Suspect, WireCodec
 
 
 def hello(secret: bytes, src: str, addr: str, **config: object) -> list[object]:
     codec = WireCodec(secret, Config(**config), src)  # type: ignore[arg-type]
-    return list(codec.encode(Kind.HELLO, {"addr": addr}))
+    return list(codec.encode(NodeKind.HELLO, {"addr": addr}))
 
 
 @pytest.fixture

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gossipnet.averaging.blink import _island_share
-from gossipnet.averaging.blink._island_share import SharedBuckets, load_handles, open_handles
+from gossipnet.collectives.island import share as _island_share
+from gossipnet.collectives.island.share import SharedBuckets, load_handles, open_handles
 from gossipnet.testbed import _runner
 from gossipnet.testbed._net import Testbed
-from gossipnet.transport import _local_ipc
+from gossipnet.transport.zeromq import local_ipc as _local_ipc
 
 LAYOUT = [(10, torch.float32)]
 
@@ -149,7 +149,7 @@ def test_a_foreign_socket_directory_is_a_warning_that_says_what_to_do(
     taken = tmp_path / f"gossipnet-{os.getuid()}"
     taken.mkdir()
     taken.chmod(0o777)  # as another user's would be to us: not private
-    with caplog.at_level(logging.WARNING, logger="gossipnet.transport._local_ipc"):
+    with caplog.at_level(logging.WARNING, logger="gossipnet.transport.zeromq.local_ipc"):
         assert _local_ipc.alias_path(7000) is None
         assert _local_ipc.alias_path(7001) is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]

@@ -1,4 +1,4 @@
-"""``gossipnet._malloc``: glibc malloc settings, applied once, never over the user's."""
+"""``gossipnet.runtime._malloc``: glibc malloc settings, applied once, never over the user's."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 CHECK = """
-from gossipnet import _malloc
+from gossipnet.runtime import _malloc
 first = _malloc.tune_malloc()
 print(first, _malloc.tune_malloc() == first)
 """
@@ -46,7 +46,7 @@ def test_join_tunes_malloc_only_when_config_says_so(
     tune: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gossipnet
-    from gossipnet import _peer_core
+    from gossipnet import _core as _peer_core
 
     calls: list[bool] = []
     monkeypatch.setattr(_peer_core, "tune_malloc", lambda: calls.append(True) or True)

@@ -1,7 +1,7 @@
 """Membership bookkeeping and the node runtime on a MemoryNetwork (no sockets).
 
-The first half drives :class:`~gossipnet.membership.Membership` by hand with
-explicit ``now`` values; the second runs real :class:`~gossipnet._node.Node` s
+The first half drives :class:`~gossipnet.runtime.membership.Membership` by hand with
+explicit ``now`` values; the second runs real :class:`~gossipnet.runtime.node.Node` s
 on a memory hub under a :class:`~gossipnet.FakeClock`, so failure timeouts
 cost no wall time and every run replays the same packet fates.
 """
@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 
 from gossipnet import Config, Crash, FakeClock, FaultPlan
-from gossipnet._node import Node
 from gossipnet.errors import ClosedError
-from gossipnet.membership import Membership
-from gossipnet.transport.wire import Kind, Packet
+from gossipnet.runtime.kinds import NodeKind
+from gossipnet.runtime.membership import Membership
+from gossipnet.runtime.node import Node
+from gossipnet.transport.wire import Packet
 
 TIMEOUT_S = 3.0
 #: An unassigned packet kind for control messages the tests send.
@@ -490,7 +491,7 @@ def test_send_reliable_ignores_acks_from_the_wrong_peer(
             task = asyncio.ensure_future(a.send_reliable("p1", TEST_KIND, timeout_s=0.5))
             await drive(clock, _idle())
             rid = a._next_rid - 1
-            c.send("p0", Kind.ACK, {"ak": rid})  # with a's request id, from c
+            c.send("p0", NodeKind.ACK, {"ak": rid})  # with a's request id, from c
             assert await drive(clock, task) is False
 
     run_async(main())

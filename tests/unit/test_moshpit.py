@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from gossipnet import CollectiveReport, Config, FakeClock
-from gossipnet._node import Node
-from gossipnet.averaging._moshpit_grid import Grid, plan_round
-from gossipnet.averaging.moshpit import MoshpitAverager, MoshpitConfig
+from gossipnet.collectives.moshpit.averager import MoshpitAverager, MoshpitConfig
+from gossipnet.collectives.moshpit.grid import Grid, plan_round
+from gossipnet.runtime.node import Node
 
 #: membership slow enough that 64 nodes in one loop stay cheap, fast enough to see deaths
 NET = {

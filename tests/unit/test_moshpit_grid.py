@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gossipnet.averaging._moshpit_grid import (
+from gossipnet.collectives.moshpit.grid import (
     Grid,
     GroupKey,
     choose_grid,

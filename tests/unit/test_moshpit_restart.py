@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from gossipnet import Config, FakeClock
-from gossipnet.averaging.moshpit import MoshpitAverager, MoshpitConfig
-from gossipnet.averaging.statesync import StateSync, pack_state, unpack_state
+from gossipnet.collectives.moshpit.averager import MoshpitAverager, MoshpitConfig
+from gossipnet.collectives.statesync.sync import StateSync, pack_state, unpack_state
 
 N = 16
 VICTIM = 5

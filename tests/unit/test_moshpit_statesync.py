@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from gossipnet import Config, FakeClock
-from gossipnet.averaging.statesync import (
+from gossipnet.collectives.statesync.kinds import StateKind
+from gossipnet.collectives.statesync.sync import (
     StateSync,
     load_checkpoint,
     pack_state,
     save_atomic,
     unpack_state,
 )
-from gossipnet.transport.wire import Kind
 
 CHUNK = 1024
 NET = {"heartbeat_interval_s": 0.1, "failure_timeout_s": 0.6, "control_timeout_s": 1.0}
@@ -90,7 +90,7 @@ def test_transfer_resumes_from_another_source_when_the_first_dies(
 
             def dying_send(peer: str, kind: int, fields: Any = None, payload: Any = b"") -> bool:
                 nonlocal served
-                if kind == Kind.STATE_DATA and fields and fields.get("op") == "chunk":
+                if kind == StateKind.DATA and fields and fields.get("op") == "chunk":
                     served += 1
                     if served == 101:  # crash: no goodbye, no more heartbeats
                         tasks.append(asyncio.ensure_future(nodes[0].close(announce=False)))

@@ -11,18 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossipnet import (
-    _collective,
-    _join,
-    _join_check,
-    _node,
-    _node_io,
-    _node_membership,
-    _peer_core,
-    peer,
-)
+from gossipnet import _collective, peer
+from gossipnet import _core as _peer_core
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
+from gossipnet.runtime import _join_check, _node_io, _node_membership
+from gossipnet.runtime import join as _join
+from gossipnet.runtime import node as _node
 
 
 def test_internal_names_are_pinned() -> None:
@@ -55,7 +50,7 @@ def test_internal_names_are_pinned() -> None:
 
 def test_public_classes_keep_their_modules_and_methods() -> None:
     assert peer.Peer.__module__ == "gossipnet.peer"
-    assert _node.Node.__module__ == "gossipnet._node"
+    assert _node.Node.__module__ == "gossipnet.runtime.node"
     for name in (
         "peer_id",
         "address",

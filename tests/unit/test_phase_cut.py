@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from gossipnet import Config
-from gossipnet.averaging._cut import MOVED_ON_GRACE_S, cut_time
-from gossipnet.averaging._round import Phase
+from gossipnet.collectives.lossy.cut import MOVED_ON_GRACE_S, cut_time
+from gossipnet.collectives.lossy.round import Phase
 
 CFG = Config()
 MIN_WAIT = CFG.phase_min_wait_s

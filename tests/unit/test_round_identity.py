@@ -16,7 +16,9 @@ import pytest
 import torch
 
 import gossipnet
-from gossipnet.averaging._round_id import (
+from gossipnet.collectives.chunks import ChunkPlan
+from gossipnet.collectives.lossy.kinds import LossyKind
+from gossipnet.collectives.lossy.round_id import (
     GRADIENTS,
     alignment,
     layout_of,
@@ -24,8 +26,7 @@ from gossipnet.averaging._round_id import (
     step_of_round,
     valid_round,
 )
-from gossipnet.averaging.chunks import ChunkPlan
-from gossipnet.transport.wire import Kind
+from gossipnet.runtime.kinds import NodeKind
 from tests._peers import run_peers
 
 from ..conftest import FAST
@@ -201,10 +202,10 @@ def test_out_of_range_round_fields_are_counted_and_harmless(where: str) -> None:
             if where == "data":
                 fields = {"r": 2**64 - 1, "m": 0, "L": layout_of([plan])[0], "b": 0, "c": 0}
                 fields |= {"w": 1.0, "dt": "f32", "n": 64}
-                kind, payload = Kind.RS_DATA, bytes(256)
+                kind, payload = LossyKind.RS_DATA, bytes(256)
             else:  # 2**64 - 1 is past every int field's range; 2**60 past a round's
                 big = 2**64 - 1 if where == "heartbeat" else 2**60
-                fields, kind, payload = {"ar": big}, Kind.HEARTBEAT, b""
+                fields, kind, payload = {"ar": big}, NodeKind.HEARTBEAT, b""
 
             async def forge() -> None:
                 node.send("p0", kind, fields, payload)

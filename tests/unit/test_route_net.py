@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gossipnet import Config, ConfigError, FakeClock, FaultPlan, RadioModel, Route
-from gossipnet.averaging.route import RouteAverager, decode_route, encode_route
+from gossipnet.collectives.route.averager import RouteAverager, decode_route, encode_route
+from gossipnet.collectives.route.kinds import RouteKind
 from gossipnet.testing import radio_faults
-from gossipnet.transport.wire import Kind
 from tests.unit.test_faults import faulty, send_seq, seqs, within_binomial
 
 
@@ -105,8 +105,8 @@ def test_routes_are_shared_updated_and_a_lone_peer_keeps_its_values(
                 lambda: avg[0].routes["p1"].route.points_m[0, 0] == 50.0, 5.0, clock=clock
             )
             # garbage is dropped and counted, and does not replace a held route
-            nodes[2].send("p0", Kind.ROUTE_SHARE, {"rv": 9, "m": 3, "w": 0}, b"xx")
-            nodes[2].send("p0", Kind.ROUTE_SHARE, {"rv": "x", "m": 1}, b"")
+            nodes[2].send("p0", RouteKind.SHARE, {"rv": 9, "m": 3, "w": 0}, b"xx")
+            nodes[2].send("p0", RouteKind.SHARE, {"rv": "x", "m": 1}, b"")
             await wait_until(lambda: sum(avg[0].rejects.values()) == 2, 1.0, clock=clock)
             assert avg[0].routes["p2"].route.points_m[0, 0] == 900.0
             # p2 is 850 m from everyone: no feasible link, it keeps its values

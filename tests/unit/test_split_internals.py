@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import pickle
 
-from gossipnet import _demo, _demo_config, _demo_model
-from gossipnet.averaging import _flatbuffer, chunks
-from gossipnet.transport import _fault_plan, faults
+from gossipnet.collectives import chunks
+from gossipnet.collectives import flatbuffer as _flatbuffer
+from gossipnet.demo import config as _demo_config
+from gossipnet.demo import harness as _demo
+from gossipnet.demo import model as _demo_model
+from gossipnet.transport import fault_plan as _fault_plan
+from gossipnet.transport import faults
 
 
 def test_internal_names_are_pinned() -> None:
@@ -87,8 +91,9 @@ def test_a_plan_still_pickles_for_the_demo_processes() -> None:
 def test_the_engines_loss_policy_is_one_object() -> None:
     """``averaging/_loss_watch.py`` (split from ``allreduce.py``): END copies and
     parity follow one rule, and ``END_COPIES`` stays importable from the engine."""
-    from gossipnet.averaging import _loss_watch, allreduce
-    from gossipnet.rounds import CollectiveReport
+    from gossipnet.collectives.lossy import engine as allreduce
+    from gossipnet.collectives.lossy import loss_watch as _loss_watch
+    from gossipnet.reports import CollectiveReport
 
     assert allreduce.END_COPIES is _loss_watch.END_COPIES
     watch = _loss_watch.LossWatch()

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from gossipnet.averaging._round import Round
-from gossipnet.averaging._stale_step import StaleStep
+from gossipnet.collectives.lossy.round import Round
+from gossipnet.collectives.lossy.stale_step import StaleStep
 
 CHUNK = 64  # bytes: 16 float32 per chunk
 N = 64  # 4 chunks; "a" owns chunks 0-1, "b" chunks 2-3

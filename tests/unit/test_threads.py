@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossipnet._loop import LoopThread
-from gossipnet._threads import limit_intraop_threads
+from gossipnet.runtime._threads import limit_intraop_threads
+from gossipnet.runtime.loop import LoopThread
 
 
 async def _threads_here() -> int:

@@ -16,8 +16,8 @@ import pytest
 from gossipnet.clock import FakeClock
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
-from gossipnet.transport._pacing import WIRE_OVERHEAD_BYTES, Pacer, default_burst_bytes
-from gossipnet.transport.udp import UdpTransport
+from gossipnet.transport.udp.backend import UdpTransport
+from gossipnet.transport.udp.pacing import WIRE_OVERHEAD_BYTES, Pacer, default_burst_bytes
 
 
 def _pacer(

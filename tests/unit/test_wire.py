@@ -21,12 +21,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gossipnet.clock import FakeClock
+from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.config import Config
+from gossipnet.runtime.kinds import NodeKind
 from gossipnet.transport import wire
 from gossipnet.transport.wire import (
     DTYPE_CODES,
     DTYPES,
-    Kind,
     Packet,
     WireCodec,
     encode_tensor_fields,
@@ -95,7 +96,6 @@ def test_public_names_are_pinned() -> None:
         "MAC_BYTES",
         "RESERVED_KEYS",
         "VERSION",
-        "Kind",
         "Packet",
         "Suspect",
         "WireCodec",
@@ -103,11 +103,9 @@ def test_public_names_are_pinned() -> None:
     )
 
 
-def test_dtype_tables_are_inverse_and_kinds_in_ranges() -> None:
+def test_dtype_tables_are_inverse() -> None:
     assert set(DTYPES) == {"f32", "f16", "bf16", "f64", "i64", "i32", "u8"}
     assert {DTYPES[c]: c for c in DTYPES} == DTYPE_CODES
-    assert all(1 <= k <= 95 for k in Kind)  # 64-79: route gossip, 80-95: Blink islands
-    assert [Kind.RS_DATA, Kind.AG_DATA, Kind.BCAST, Kind.ROUND] == [16, 17, 18, 19]
 
 
 @pytest.mark.parametrize("mac", ["aes-gmac", "hmac-sha256", "blake2b"])
@@ -117,10 +115,10 @@ def test_round_trip_every_dtype(code: str, mac: str) -> None:
     tx, rx = codec("a", cfg=cfg), codec("b", cfg=cfg)
     t = (torch.arange(37, dtype=torch.float64) * 1.5).to(DTYPES[code])
     fields = {**encode_tensor_fields(t), "round": 3, "chunk": 1}
-    frames = [bytearray(f) for f in tx.encode(Kind.RS_DATA, fields, tensor_bytes(t))]
+    frames = [bytearray(f) for f in tx.encode(LossyKind.RS_DATA, fields, tensor_bytes(t))]
     pkt = rx.decode(frames)
     assert isinstance(pkt, Packet)
-    assert (pkt.src, pkt.epoch, pkt.seq, pkt.kind) == ("a", tx.epoch, 0, Kind.RS_DATA)
+    assert (pkt.src, pkt.epoch, pkt.seq, pkt.kind) == ("a", tx.epoch, 0, LossyKind.RS_DATA)
     assert pkt.fields == {"dt": code, "n": 37, "round": 3, "chunk": 1}
     out = torch.frombuffer(pkt.payload, dtype=DTYPES[pkt.fields["dt"]])
     assert torch.equal(out, t)
@@ -134,7 +132,7 @@ def test_round_trip_every_dtype(code: str, mac: str) -> None:
 def test_mac_is_the_documented_construction(mac: str, size: int) -> None:
     tx = codec(cfg=Config(mac=mac, run="r1"), epoch=7)
     payload = bytes(range(256)) * (size // 256) + b"p" * (size % 256)
-    head, _, frame = tx.encode(Kind.HELLO, {"x": 1}, payload)
+    head, _, frame = tx.encode(NodeKind.HELLO, {"x": 1}, payload)
     key = run_key(run="r1")
     msg = len(head).to_bytes(4, "big") + bytes(head) + payload
     tag, fp = frame[:-8], frame[-8:]
@@ -162,7 +160,7 @@ def test_mac_is_the_documented_construction(mac: str, size: int) -> None:
 def test_payload_is_not_copied() -> None:
     buf = bytearray(b"abcdefgh")
     view = memoryview(buf)
-    frames = codec().encode(Kind.BCAST, None, view)
+    frames = codec().encode(LossyKind.BCAST, None, view)
     assert frames[1] is view
     recv = [bytearray(f) for f in frames]
     pkt = codec("b").decode(recv)
@@ -173,7 +171,7 @@ def test_payload_is_not_copied() -> None:
 
 def test_typed_memoryview_payload_is_viewed_as_bytes() -> None:
     t = torch.ones(5, dtype=torch.float32)
-    frames = codec().encode(Kind.RS_DATA, encode_tensor_fields(t), memoryview(t.numpy()))
+    frames = codec().encode(LossyKind.RS_DATA, encode_tensor_fields(t), memoryview(t.numpy()))
     assert len(frames[1]) == 20
     assert codec("b").decode(frames) is not None
 
@@ -181,9 +179,9 @@ def test_typed_memoryview_payload_is_viewed_as_bytes() -> None:
 def test_seq_increases_and_own_packets_reflected_back_are_rejected() -> None:
     """Issue 19: a peer took ~1,800 of its own packets reflected back to it."""
     c, rx = codec("self", epoch=42), codec("b")
-    pkts = [rx.decode(c.encode(Kind.HEARTBEAT)) for _ in range(3)]
+    pkts = [rx.decode(c.encode(NodeKind.HEARTBEAT)) for _ in range(3)]
     assert [(p.src, p.epoch, p.seq) for p in pkts if p] == [("self", 42, i) for i in range(3)]
-    assert all(c.decode(c.encode(Kind.HEARTBEAT, dst=d)) is None for d in ("self", None))
+    assert all(c.decode(c.encode(NodeKind.HEARTBEAT, dst=d)) is None for d in ("self", None))
     assert c.rejects["own_packet"] == 2
     assert c.accepted == 0
 
@@ -191,30 +189,30 @@ def test_seq_increases_and_own_packets_reflected_back_are_rejected() -> None:
 @pytest.mark.parametrize("key", sorted(wire.RESERVED_KEYS))
 def test_reserved_keys_cannot_be_overridden(key: str) -> None:
     with pytest.raises(ValueError, match="reserved"):
-        codec().encode(Kind.HELLO, {key: 1})
+        codec().encode(NodeKind.HELLO, {key: 1})
 
 
 def test_encode_refuses_what_a_peer_would_drop() -> None:
     c = codec(cfg=Config(max_header_bytes=64, max_payload_bytes=128))
     with pytest.raises(ValueError, match="max_header_bytes"):
-        c.encode(Kind.HELLO, {"s": "x" * 64})
+        c.encode(NodeKind.HELLO, {"s": "x" * 64})
     with pytest.raises(ValueError, match="max_payload_bytes"):
-        c.encode(Kind.HELLO, None, b"x" * 129)
+        c.encode(NodeKind.HELLO, None, b"x" * 129)
     with pytest.raises(ValueError, match="kind"):
         c.encode(-1)
     with pytest.raises(ValueError, match="dtype"):
         encode_tensor_fields(torch.zeros(2, dtype=torch.complex64))
     with pytest.raises(TypeError):
-        c.encode(Kind.HELLO, {"obj": object()})
+        c.encode(NodeKind.HELLO, {"obj": object()})
     with pytest.raises(TypeError):
-        c.encode(Kind.HELLO, {1: "non-str key"})
+        c.encode(NodeKind.HELLO, {1: "non-str key"})
 
 
 # --------------------------------------------------------------------------- rejects
 
 
 def _valid(**kw: Any) -> list[bytes]:
-    return list(codec("a", **kw).encode(Kind.HELLO, {"addr": "mem://a"}, b"payload"))
+    return list(codec("a", **kw).encode(NodeKind.HELLO, {"addr": "mem://a"}, b"payload"))
 
 
 def _tag() -> bytes:
@@ -303,7 +301,7 @@ def test_accepts_the_forged_template_when_valid() -> None:
 
 def test_identical_packet_is_dropped_as_replay() -> None:
     tx, rx = codec("a"), codec("b")
-    frames = tx.encode(Kind.HEARTBEAT)
+    frames = tx.encode(NodeKind.HEARTBEAT)
     assert rx.decode(frames) is not None
     assert rx.decode(frames) is None
     assert rx.decode([bytes(f) for f in frames]) is None
@@ -312,7 +310,7 @@ def test_identical_packet_is_dropped_as_replay() -> None:
 
 def test_reordered_within_window_accepted_once() -> None:
     tx, rx = codec("a"), codec("b")
-    packets = [tx.encode(Kind.RS_DATA, {"i": i}) for i in range(200)]
+    packets = [tx.encode(LossyKind.RS_DATA, {"i": i}) for i in range(200)]
     order = list(range(200))
     random.Random(7).shuffle(order)
     got = [rx.decode(packets[i]) for i in order]
@@ -325,7 +323,7 @@ def test_reordered_within_window_accepted_once() -> None:
 def test_older_than_window_is_replay_and_big_jump_resets_window() -> None:
     cfg = Config(replay_window_packets=8)
     tx, rx = codec("a", cfg=cfg), codec("b", cfg=cfg)
-    packets = [tx.encode(Kind.HEARTBEAT) for _ in range(100)]
+    packets = [tx.encode(NodeKind.HEARTBEAT) for _ in range(100)]
     assert rx.decode(packets[20]) is not None
     assert rx.decode(packets[13]) is not None  # 7 behind: inside the window
     assert rx.decode(packets[12]) is None  # 8 behind: outside
@@ -340,32 +338,32 @@ def test_old_epoch_rejected_new_epoch_resets() -> None:
     rx = codec("b")
     mid = codec("a", epoch=100)
     for _ in range(5):
-        assert rx.decode(mid.encode(Kind.HEARTBEAT)) is not None
-    assert rx.decode(codec("a", epoch=99).encode(Kind.HEARTBEAT)) is None
+        assert rx.decode(mid.encode(NodeKind.HEARTBEAT)) is not None
+    assert rx.decode(codec("a", epoch=99).encode(NodeKind.HEARTBEAT)) is None
     assert rx.rejects == {"stale_epoch": 1}
     restarted = codec("a", epoch=101)
-    assert (pkt := rx.decode(restarted.encode(Kind.HELLO))) is not None
+    assert (pkt := rx.decode(restarted.encode(NodeKind.HELLO))) is not None
     assert (pkt.epoch, pkt.seq) == (101, 0)
-    assert rx.decode(mid.encode(Kind.HEARTBEAT)) is None
+    assert rx.decode(mid.encode(NodeKind.HEARTBEAT)) is None
     assert rx.rejects == {"stale_epoch": 2}
 
 
 def test_senders_have_independent_windows() -> None:
     rx, a, b = codec("r"), codec("a"), codec("b")
-    assert rx.decode(a.encode(Kind.HELLO)) is not None
-    assert rx.decode(b.encode(Kind.HELLO)) is not None  # seq 0 again, other sender
+    assert rx.decode(a.encode(NodeKind.HELLO)) is not None
+    assert rx.decode(b.encode(NodeKind.HELLO)) is not None  # seq 0 again, other sender
 
 
 def test_forget_keeps_old_packets_out_but_lets_the_peer_return() -> None:
     tx, rx = codec("a"), codec("b")
-    old = [tx.encode(Kind.HEARTBEAT) for _ in range(10)]
+    old = [tx.encode(NodeKind.HEARTBEAT) for _ in range(10)]
     assert rx.decode(old[9]) is not None
     rx.forget("a")
     rx.forget("never-seen")
     assert rx.decode(old[9]) is None
     assert rx.decode(old[5]) is None  # never delivered, but it predates the departure
-    assert rx.decode(tx.encode(Kind.HELLO)) is not None
-    assert rx.decode(codec("a").encode(Kind.HELLO)) is not None  # a restart
+    assert rx.decode(tx.encode(NodeKind.HELLO)) is not None
+    assert rx.decode(codec("a").encode(NodeKind.HELLO)) is not None  # a restart
 
 
 # --------------------------------------------------------------------------- logging
@@ -420,7 +418,7 @@ def test_random_frames_never_raise_never_accepted(frames: list[Any]) -> None:
 )
 def test_mutated_valid_packets_are_rejected(frame: int, bit: int, cut: int | None) -> None:
     frames = [
-        bytearray(f) for f in codec("a").encode(Kind.RS_DATA, {"dt": "u8", "n": 24}, bytes(24))
+        bytearray(f) for f in codec("a").encode(LossyKind.RS_DATA, {"dt": "u8", "n": 24}, bytes(24))
     ]
     target = frames[frame]
     if cut is not None:
@@ -449,7 +447,7 @@ field_key = st.text(min_size=1, max_size=6).filter(
 @FAST
 @given(st.dictionaries(field_key, st.one_of(scalar, st.lists(scalar, max_size=4)), max_size=6))
 def test_caller_fields_round_trip(fields: dict[str, Any]) -> None:
-    pkt = codec("b").decode(codec("a").encode(Kind.ROUND, fields, b"xyz"))
+    pkt = codec("b").decode(codec("a").encode(LossyKind.ROUND, fields, b"xyz"))
     assert pkt is not None
     assert pkt.fields == fields
     assert bytes(pkt.payload) == b"xyz"
@@ -466,34 +464,36 @@ def test_ten_thousand_random_packets_leave_the_codec_working() -> None:
         if roll < 0.2:
             frames = [rng.randbytes(rng.randrange(0, 80)) for _ in range(rng.randrange(0, 5))]
         elif roll < 0.4:
-            frames = [bytearray(f) for f in tx.encode(Kind.RS_DATA, {"i": 1}, rng.randbytes(32))]
+            frames = [
+                bytearray(f) for f in tx.encode(LossyKind.RS_DATA, {"i": 1}, rng.randbytes(32))
+            ]
             victim = frames[rng.randrange(3)] or frames[0]
             victim[rng.randrange(len(victim))] ^= 1 << rng.randrange(8)
         elif roll < 0.5:
-            frames = list(stranger.encode(Kind.HELLO))
+            frames = list(stranger.encode(NodeKind.HELLO))
         elif roll < 0.6:
-            frames = [bytes(f) for f in tx.encode(Kind.RS_DATA)][: rng.randrange(3)]
+            frames = [bytes(f) for f in tx.encode(LossyKind.RS_DATA)][: rng.randrange(3)]
         elif roll < 0.8 and history:
             frames = rng.choice(history)  # a replay (or a late first delivery)
         else:
-            frames = [bytes(f) for f in tx.encode(Kind.AG_DATA, {"i": 2}, rng.randbytes(8))]
+            frames = [bytes(f) for f in tx.encode(LossyKind.AG_DATA, {"i": 2}, rng.randbytes(8))]
             history.append(frames)
             fresh += 1
         rx.decode(frames)
     assert rx.accepted == fresh  # every fresh packet in, every replay and forgery out
     assert "internal" not in rx.rejects
-    assert rx.decode(tx.encode(Kind.HELLO, {"ok": True})) is not None
+    assert rx.decode(tx.encode(NodeKind.HELLO, {"ok": True})) is not None
 
 
 def test_gmac_nonces_never_repeat_and_large_payloads_verify() -> None:
     tx, rx = codec("a"), codec("b")
     big = bytes(range(256)) * 1024  # 256 KiB: the streaming GMAC path
-    frames = [tx.encode(Kind.RS_DATA, {"dt": "u8", "n": len(big)}, big) for _ in range(50)]
+    frames = [tx.encode(LossyKind.RS_DATA, {"dt": "u8", "n": len(big)}, big) for _ in range(50)]
     nonces = {bytes(f[2][16:]) for f in frames}
     assert len(nonces) == 50
     assert all(rx.decode(f) is not None for f in frames)
     other = codec("c")  # another signer of the same run starts elsewhere in nonce space
-    assert bytes(other.encode(Kind.HELLO)[2][16:]) not in nonces
+    assert bytes(other.encode(NodeKind.HELLO)[2][16:]) not in nonces
 
 
 # ---------------------------------------------------------------------- local channel
@@ -501,21 +501,21 @@ def test_local_packets_skip_the_mac_but_not_the_key() -> None:
     """On a private local channel only the key fingerprint is checked; anywhere else
     an unsigned packet is a forgery."""
     tx, rx = codec("a"), codec("b")
-    unsigned = tx.encode(Kind.HELLO, {"x": 1}, b"payload", local=True)
+    unsigned = tx.encode(NodeKind.HELLO, {"x": 1}, b"payload", local=True)
     assert bytes(unsigned[2][:-8]) == bytes(tx.mac_bytes - 8)  # no MAC computed
     assert rx.decode(unsigned) is None  # over the network: rejected
     assert rx.rejects["mac"] == 1
-    pkt = rx.decode(tx.encode(Kind.HELLO, {"x": 2}, b"payload", local=True), local=True)
+    pkt = rx.decode(tx.encode(NodeKind.HELLO, {"x": 2}, b"payload", local=True), local=True)
     assert pkt is not None
     assert pkt.fields == {"x": 2}
     # a signed packet is fine on the local channel too (a sender that did not know)
-    assert rx.decode(tx.encode(Kind.HELLO, {"x": 3}), local=True) is not None
+    assert rx.decode(tx.encode(NodeKind.HELLO, {"x": 3}), local=True) is not None
     # another secret (another job on the same host): its fingerprint differs
     other = codec("c", secret=b"another job's secret")
-    assert other.decode(tx.encode(Kind.HELLO, None, b"p", local=True), local=True) is None
+    assert other.decode(tx.encode(NodeKind.HELLO, None, b"p", local=True), local=True) is None
     assert other.rejects["mac"] == 1
     # every other check still runs: a replay is a replay
-    frames = tx.encode(Kind.HELLO, None, b"p", local=True)
+    frames = tx.encode(NodeKind.HELLO, None, b"p", local=True)
     assert rx.decode(frames, local=True) is not None
     assert rx.decode(frames, local=True) is None
     assert rx.rejects["replay"] == 1
@@ -526,17 +526,17 @@ def test_packets_are_bound_to_their_destinations() -> None:
     """Issue 19: a packet captured on its way to one peer was fresh to every other.
     Now it names its destinations; one encoding may name many (a broadcast)."""
     tx, b, c, d = codec("a"), codec("b"), codec("c"), codec("d")
-    one = tx.encode(Kind.RS_DATA, {"i": 1}, b"x", dst="b")
+    one = tx.encode(LossyKind.RS_DATA, {"i": 1}, b"x", dst="b")
     assert (pkt := b.decode(one)) is not None
     assert pkt.directed
     assert c.decode(one) is None
     assert c.rejects["destination"] == 1
-    many = tx.encode(Kind.BCAST, {"i": 2}, b"y", dst=["b", "c"])
+    many = tx.encode(LossyKind.BCAST, {"i": 2}, b"y", dst=["b", "c"])
     assert b.decode(many) is not None
     assert c.decode(many) is not None
     assert d.decode(many) is None
     assert d.rejects["destination"] == 1
-    bare = tx.encode(Kind.HELLO, {"addr": "mem://a"})  # no id known yet: accepted, undirected
+    bare = tx.encode(NodeKind.HELLO, {"addr": "mem://a"})  # no id known yet: accepted, undirected
     assert (pkt := d.decode(bare)) is not None
     assert not pkt.directed
 
@@ -553,7 +553,7 @@ def test_a_tag_straddling_two_tags_does_not_match() -> None:
 
 def test_only_packets_that_advance_the_window_are_fresh() -> None:
     tx, rx = codec("a"), codec("b")
-    first, second = tx.encode(Kind.HEARTBEAT, dst="b"), tx.encode(Kind.HEARTBEAT, dst="b")
+    first, second = tx.encode(NodeKind.HEARTBEAT, dst="b"), tx.encode(NodeKind.HEARTBEAT, dst="b")
     assert (pkt := rx.decode(second)) is not None
     assert pkt.fresh
     assert (pkt := rx.decode(first)) is not None  # late, still inside the window

@@ -1,5 +1,0 @@
-"""Averaging strategies over the transport: chunking, loss-tolerant all-reduce, Moshpit.
-
-Modules are imported explicitly (``from gossipnet.averaging.chunks import FlatBuffer``);
-this package imports nothing at import time so that strategies stay independent.
-"""

@@ -1,5 +1,0 @@
-"""Blink spanning-tree collectives for GPUs in one machine (ALGORITHMS.md section 5).
-
-Modules are imported explicitly (``from gossipnet.averaging.blink.topology import detect``);
-this package imports nothing at import time so that CPU-only installs stay light.
-"""

@@ -1,0 +1,163 @@
+"""When a phase of an all-reduce round ends: END markers, or per-sender cut times.
+
+Split from :mod:`gossipnet.collectives.lossy.engine` because both phases (the
+reduce-scatter and the all-gather of :mod:`.broadcast`) end the same way and
+the policy is subtle enough to read on its own: a phase ends the moment every
+expected sender is complete (all its data, or its END marker, arrived); a
+sender that is not is cut at a time learned from recent phases, or shortly
+after we learn it moved on, or at the call's deadline.  Why this matters: the
+time of a round must not grow with the loss rate, yet a slow-but-alive peer
+must not be cut.  Runs on the loop thread, once per wake-up, not per packet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import statistics
+from collections.abc import Callable
+
+from gossipnet.collectives.lossy.round import Phase
+from gossipnet.config import Config
+from gossipnet.runtime.node import Node
+
+__all__ = ("ReorderWindow", "cut_time", "wait_phase")
+
+#: How long after a sender is known to have moved past a phase we still wait for its
+#: packets of that phase (in flight, or reordered behind its later packets).
+MOVED_ON_GRACE_S = 0.02
+#: While a phase waits, our own END is re-sent after this long, then at doubling intervals.
+END_REPEAT_S = 0.02
+END_REPEAT_MAX_S = 0.1
+
+
+class ReorderWindow:
+    """How long after a sender's END its reordered data still arrives, learned.
+
+    Why: an END marker can overtake data sent before it (a reordering network, a
+    delayed packet); ending the sender's phase on its END then makes that data
+    stale although nothing was lost.  Waiting for every missing packet instead
+    would cost each lossy round a wait for packets that never come.  So the wait
+    is learned from arrival times: each packet that arrives after its sender's
+    END teaches its lag; while some were seen within the last ``memory_rounds``
+    rounds, an END with data missing holds its sender ``1.5 x`` the largest such
+    lag (at most ``cap_s``); when none was, it holds nothing.  Pure loss teaches
+    nothing, so lossy rounds stay as short as before.
+
+    Args:
+        cap_s: the longest hold; a packet later than this is an outage, not a reorder.
+        memory_rounds: how many rounds an observed lag keeps counting.
+    """
+
+    def __init__(self, cap_s: float = 0.05, memory_rounds: int = 32) -> None:
+        if cap_s < 0 or memory_rounds < 1:
+            raise ValueError(f"cap_s must be >= 0 and memory_rounds >= 1: {cap_s}, {memory_rounds}")
+        self.cap_s = cap_s
+        self.memory_rounds = memory_rounds
+        self._lags: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+
+    def observe(self, lag_s: float, round_: int) -> None:
+        """A packet of round ``round_`` arrived ``lag_s`` after its sender's END."""
+        self._lags.append((round_, max(0.0, lag_s)))
+
+    def allowance(self, round_: int) -> float:
+        """Seconds to hold a sender whose END (of round ``round_``) left data missing."""
+        recent = [lag for r, lag in self._lags if r > round_ - self.memory_rounds]
+        return min(self.cap_s, 1.5 * max(recent)) if recent else 0.0
+
+
+async def wait_phase(
+    node: Node,
+    phase: Phase,
+    history: collections.deque[float],
+    deadline: float,
+    expected: Callable[[str], int],
+    announce: Callable[[], None] | None = None,
+) -> bool:
+    """Wait until every expected END arrived, or give up; True if complete.
+
+    Each sender gets its own learned allowance, counted from its first packet
+    of the phase: ``phase_deadline_factor`` x the median first-packet-to-END
+    span of recent senders (``history``, seconds per packet), and never while it
+    is still sending.  Why per sender: peers start a round at different times
+    (compute skew), so a clock started at our own start would cut
+    slow-but-alive peers, while one started at their first packet only cuts
+    peers whose remaining packets are lost.  A sender known to have moved past
+    the phase (its packets of the next phase or round arrived, or its heartbeat
+    announced a later round) is cut ``MOVED_ON_GRACE_S`` after we learned it:
+    everything it sent here is on the wire, and what has not arrived by then was
+    lost.  This bounds the cost of lost END markers under bursty loss, and of a
+    sender whose every packet was lost.  A silent sender with no such sign is
+    waited for until ``deadline`` (the call's bound) or until membership
+    declares it dead: it may simply have started late.
+
+    ``announce`` re-sends our own END marker of the phase while we wait, at
+    growing intervals (``END_REPEAT_S`` doubling up to ``END_REPEAT_MAX_S``):
+    a tiny control packet, not data.  Why: under bursty loss all back-to-back
+    END copies can be lost, and two peers that lost all of each other's
+    packets would otherwise each wait for the other until the deadline.
+
+    Args:
+        expected: packets a sender sends us in this phase if it shares our view.
+    """
+    clock = node.clock
+    interval = END_REPEAT_S
+    next_announce = clock.now() + interval
+    while not phase.complete:
+        # re-read each pass: senders finishing this very phase teach a cold engine
+        per_packet = statistics.median(history) if history else float("inf")
+        now = clock.now()
+        if now >= deadline:
+            return False
+        pending = phase.expected - phase.done
+        for p in [p for p in pending if phase.hold.get(p, deadline) <= now]:
+            phase.finish(p, now)  # its held-back data did not come: it was lost
+            pending.discard(p)
+        if not pending:
+            break
+        cut_at = deadline
+        if all(p in phase.first or p in phase.moved_on for p in pending):
+            cut_at = min(
+                deadline,
+                max(cut_time(node.config, phase, p, per_packet, expected(p)) for p in pending),
+            )
+            if now >= cut_at:
+                return False
+        if announce is not None and now >= next_announce:
+            announce()
+            interval = min(2 * interval, END_REPEAT_MAX_S)
+            next_announce = now + interval
+        wake_at = min(cut_at, next_announce) if announce is not None else cut_at
+        wake_at = min([wake_at, *(phase.hold[p] for p in pending if p in phase.hold)])
+        phase.wake.clear()
+        waiter = asyncio.ensure_future(phase.wake.wait())
+        try:
+            await node._wait_future(waiter, max(0.0, wake_at - now))
+        except TimeoutError:
+            pass
+        finally:
+            waiter.cancel()
+    return True
+
+
+def cut_time(cfg: Config, phase: Phase, peer: str, per_packet: float, expected: int) -> float:
+    """When to stop waiting for ``peer``: ``factor x`` its expected sending time
+    (learned seconds per packet x packets expected) after its first packet, and
+    never while any sender of the phase delivered within ``phase_min_wait_s``.
+
+    Why silence is counted on the whole phase, not on ``peer`` alone: a sender
+    that is also an owner receives everyone's chunks while it sends its own, and
+    on a crowded machine (2 cores, 4 peers, 400 chunks each) it can spend over
+    0.1 s on that before its next packet to us, so a per-sender silence rule cut
+    live senders at 0% loss.  While others still deliver to us, they still
+    deliver to it, and it has not stalled for good.  Waiting longer costs
+    nothing then: the phase cannot end before those other senders complete.
+    """
+    held = phase.hold.get(peer)
+    if held is not None:
+        return held
+    moved = phase.moved_on.get(peer)
+    if moved is not None:
+        return max(moved, phase.last.get(peer, moved)) + MOVED_ON_GRACE_S
+    allowance = max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * per_packet * max(1, expected))
+    return max(phase.first[peer] + allowance, phase.latest + cfg.phase_min_wait_s)

@@ -1,0 +1,226 @@
+"""The all-gather half of a round: broadcast our averaged shard, keep stale on loss.
+
+Split from :mod:`gossipnet.collectives.lossy.engine`, which drives the round (the
+reduce-scatter is :mod:`._scatter`); this module holds what the second phase
+does.  Each owner writes the values to broadcast for its shard (the averages,
+or what ``on_reduced`` made of them, e.g. stepped parameters) into its own
+``dst``, then sends every owned chunk to every other participant: one encoding
+(one MAC) per chunk for all destinations, from read-only memory private to the
+round, so ZeroMQ sends it without a copy.  A receiver writes each chunk that
+arrives into ``dst`` and marks it; a chunk whose broadcast was lost keeps the
+value ``dst`` already held (stale, never zero), and the round's report counts
+it (``chunks_stale``).  Why stale, never zero, and never waited for: a peer's
+own value keeps the drift between replicas bounded (Weintraub et al. 2025),
+while a retransmission would make every round as slow as its worst link.
+Resyncs, which must leave every peer identical, re-request lost chunks
+(:mod:`._repair`), answered from the bytes kept in ``Round.broadcast``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import TYPE_CHECKING
+
+import torch
+
+from gossipnet.collectives.chunks import as_bytes
+from gossipnet.collectives.lossy.cut import wait_phase
+from gossipnet.collectives.lossy.packets import (
+    COPY_LAG,
+    YIELD_EVERY,
+    Send,
+    chunk_of,
+    send_copies,
+    send_copy,
+)
+from gossipnet.collectives.lossy.parity import on_parity, send_parity
+from gossipnet.collectives.lossy.round import OwnedShard, Round
+from gossipnet.collectives.lossy.stale_step import StaleStep
+from gossipnet.transport.wire import DTYPE_CODES, Packet
+
+if TYPE_CHECKING:
+    from gossipnet.collectives.lossy.engine import LossyAllReduce
+
+__all__ = ("all_gather", "announce_ag_end", "on_ag", "send_ag")
+
+
+async def all_gather(
+    engine: LossyAllReduce,
+    rnd: Round,
+    shards: list[OwnedShard],
+    values: list[torch.Tensor],
+    deadline: float,
+) -> bool:
+    """Broadcast ``values`` for our ``shards``, then wait for the others'; True if complete.
+
+    Returns False when the phase was cut (lost ENDs, a silent or dead owner) or
+    ``deadline`` passed; the chunks still missing then keep their stale values.
+    """
+    rnd.ag.start = engine.node.clock.now()
+    await send_ag(engine, rnd, shards, values)
+    return await wait_phase(
+        engine.node,
+        rnd.ag,
+        engine._spans["ag"],
+        deadline,
+        rnd.ag_expected,
+        lambda: announce_ag_end(engine, rnd),
+    )
+
+
+def _broadcast_bytes(rnd: Round, shard: OwnedShard, value: torch.Tensor) -> memoryview:
+    """Write ``value`` into our ``dst`` shard; return read-only bytes to send it from.
+
+    Sent from memory private to the round (``dst`` changes after the round,
+    queued sends must not), read-only so that ZeroMQ sends it to every
+    destination without copying.  The pooled accumulator itself when it is what
+    we broadcast (a plain all-reduce): no copy at all.  Averaged in place
+    (``dst`` is ``src``, see ``Round``), the average already is ``dst``, which the
+    caller overwrites as soon as we return, while our broadcast may still sit in
+    ZeroMQ's queues (our round ends when the others' shards have arrived, not
+    ours): one copy then, measured: sending from ``dst`` left chunks stale at 0%
+    loss.  (The reduce-scatter may send from ``src``: a round cannot end before
+    the owners had our contributions or cut us.)  Kept in ``rnd.broadcast`` for
+    repair requests.
+    """
+    b = shard.bucket
+    out = rnd.dst[b].narrow(0, shard.start, value.numel())
+    in_dst = value.numel() > 0 and value.data_ptr() == out.data_ptr()
+    if not in_dst:
+        out.copy_(value)  # cast to the bucket dtype
+    if value is shard.average and value.dtype == out.dtype and not in_dst:
+        private = value
+    else:
+        private = rnd.pool.get(rnd.parity, "bcast", b, out.numel(), out.dtype)
+        private.copy_(out)
+    raw = as_bytes(private).toreadonly()
+    rnd.broadcast.append(raw)
+    return raw
+
+
+async def send_ag(
+    engine: LossyAllReduce, rnd: Round, shards: list[OwnedShard], values: list[torch.Tensor]
+) -> None:
+    """Send each owned chunk that has an average to every other participant, then ENDs.
+
+    A chunk no weighted contribution arrived for is not sent: no average exists
+    to share, and the receivers keep their own values for it.
+    """
+    node = engine.node
+    kind = engine.k.ag_data
+    others = [p for p in rnd.participants if p != rnd.me]
+    sent = 0
+    copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
+    for shard, value in zip(shards, values, strict=True):
+        b = shard.bucket
+        raw = _broadcast_bytes(rnd, shard, value)
+        plan = rnd.plans[b]
+        code = DTYPE_CODES[rnd.dst[b].dtype]
+        base = shard.start * plan.itemsize
+        owned = rnd.owned[b]
+        for c in owned:
+            if shard.weights[c - owned.start] <= 0:
+                continue  # no weighted contribution arrived: no average exists to share
+            rnd.ag_chunks_sent += 1
+            _, count = plan.chunk(c)
+            span = plan.byte_slice(c)
+            payload = raw[span.start - base : span.stop - base]
+            fields = {
+                **rnd.ident,
+                "b": b,
+                "c": c,
+                "dt": code,
+                "n": count,
+            }
+            # one encoding (one MAC) for every destination
+            frames = node.encode_for(others, kind, fields, payload)
+            rnd.sent += node.send_frames(others, frames)
+            if copies is not None:
+                copies.append((others, frames))
+                if len(copies) > COPY_LAG:
+                    send_copy(node, rnd, copies.popleft())
+            sent += len(others)
+            if sent >= YIELD_EVERY:
+                sent = 0
+                await asyncio.sleep(0)
+        # parity over the whole range, so only where every chunk of it was sent
+        if rnd.fec_k and bool((shard.weights > 0).all()) and len(owned):
+            fields = dict(rnd.ident)
+            rnd.sent += send_parity(engine, rnd, kind, others, b, owned, raw, fields)
+    await send_copies(node, rnd, copies)
+    ends = engine._end_copies(rnd)
+    if not ends and rnd.ag_chunks_sent < rnd.expect_rs:  # expect_rs: the chunks we own
+        ends = 1  # chunks withheld (no weight arrived): receivers need the count
+    announce_ag_end(engine, rnd, ends)
+
+
+def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
+    """END of our all-gather to every other participant (one encoding for all)."""
+    if copies < 1:  # a quiet network: no END at all, so none to encode (and sign)
+        return
+    node = engine.node
+    others = [p for p in rnd.participants if p != rnd.me]
+    if not others:
+        return
+    end = {
+        **rnd.ident,
+        "n": rnd.ag_chunks_sent,
+        "l": int(engine.loss.recent),
+    }
+    frames = node.encode_for(others, engine.k.ag_end, end)
+    for _ in range(copies):
+        node.send_frames(others, frames)
+
+
+def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
+    """Write one broadcast chunk into ``dst`` and mark it arrived (not stale).
+
+    A parity packet (``"g"`` in its fields) may rebuild one lost chunk.
+    """
+    src = pkt.src
+    overtaken = src in rnd.ag.ended  # by its sender's END: learn by how much
+    if "g" in pkt.fields:
+        if overtaken:
+            engine.note_after_end(rnd, pkt)
+        on_parity(
+            engine,
+            rnd,
+            pkt,
+            lambda b: rnd.maps[b].chunks_of(src),
+            lambda b, c: bool(rnd.got[b][c]),
+            lambda b, c: as_bytes(rnd.plans[b].view(rnd.dst[b], c)),  # as it arrived
+            lambda b, c, values: _accept_ag(engine, rnd, src, b, c, values),
+        )
+        return
+    got = chunk_of(rnd, pkt, engine.dropped)
+    if got is None:
+        return
+    b, c, values = got
+    if c in rnd.owned[b]:
+        engine.dropped["not_owner"] += 1
+        return
+    if bool(rnd.got[b][c]):
+        engine.dropped["duplicate"] += 1
+        return
+    if overtaken:
+        engine.note_after_end(rnd, pkt)
+    _accept_ag(engine, rnd, src, b, c, values)
+
+
+def _accept_ag(
+    engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor
+) -> None:
+    """Write one chunk (arrived or rebuilt from parity) into ``dst``."""
+    if rnd.step_mag is not None:
+        StaleStep.measure(rnd, b, c, values)
+    rnd.plans[b].view(rnd.dst[b], c).copy_(values)
+    rnd.got[b][c] = True
+    ag = rnd.ag
+    ag.received[src] += 1
+    ag.arrived(src, engine.node.clock.now())
+    if src not in ag.done and (
+        ag.received[src] >= rnd.ag_expected(src)
+        or (src in ag.hold and not ag.held_back(src, ag.declared[src]))
+    ):
+        engine._spans["ag"].append(ag.finish(src, engine.node.clock.now()))

@@ -1,0 +1,133 @@
+"""Per-packet pieces both phases of an all-reduce round share.
+
+Split from :mod:`gossipnet.collectives.lossy.engine` so that the engine, the
+reduce-scatter (:mod:`._scatter`) and the all-gather (:mod:`.broadcast`) use
+one copy of them without importing each other: the packet kinds an engine
+owns (:class:`EngineKinds`, re-exported by ``allreduce``), the redundant
+copies that trail a phase's data packets on the send side, and the check that
+an incoming data packet fits our round's layout on the receive side.  The
+last two run once per packet, so they stay plain functions over the round's
+state, with no copies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gossipnet.collectives.chunks import all_finite, from_bytes
+from gossipnet.collectives.lossy.kinds import LossyKind
+from gossipnet.collectives.lossy.round import Round
+from gossipnet.runtime.node import Node
+from gossipnet.transport.base import Buffer
+from gossipnet.transport.wire import DTYPES, Packet
+
+__all__ = (
+    "ALLREDUCE_KINDS",
+    "COPY_LAG",
+    "OPTIMIZER_KINDS",
+    "YIELD_EVERY",
+    "EngineKinds",
+    "Send",
+    "chunk_of",
+    "send_copies",
+    "send_copy",
+)
+
+YIELD_EVERY = 32  # packets sent between yields, so receiving never starves
+#: Redundant copies trail their originals by this many packets (see ``send_copy``);
+#: well inside the default replay window of 8192 sequence numbers.
+COPY_LAG = 256
+
+#: One data packet's destinations and encoded frames, kept for redundant copies.
+Send = tuple[Sequence[str], list[Buffer]]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineKinds:
+    """Packet kinds an engine instance owns, so several engines (the global
+    all-reduce, Moshpit's group rounds) can live on one node without mixing."""
+
+    rs_data: int
+    ag_data: int
+    rs_end: int
+    ag_end: int
+    repair: int
+
+    def all(self) -> tuple[int, ...]:
+        return (self.rs_data, self.ag_data, self.rs_end, self.ag_end, self.repair)
+
+
+ALLREDUCE_KINDS = EngineKinds(
+    LossyKind.RS_DATA, LossyKind.AG_DATA, LossyKind.RS_END, LossyKind.AG_END, LossyKind.REPAIR
+)
+OPTIMIZER_KINDS = EngineKinds(
+    LossyKind.OPT_RS_DATA,
+    LossyKind.OPT_AG_DATA,
+    LossyKind.OPT_RS_END,
+    LossyKind.OPT_AG_END,
+    LossyKind.OPT_REPAIR,
+)
+
+
+def send_copy(node: Node, rnd: Round, send: Send) -> None:
+    """Send ``redundancy - 1`` more copies of one data packet.
+
+    Why copies trail the originals by ``COPY_LAG`` packets instead of going
+    back to back: a burst of loss takes neighbouring packets together, so
+    spaced copies are lost together far less often.  Why not a whole second
+    pass: the receiver's replay window only spans ``replay_window_packets``
+    sequence numbers, and a copy older than that would be dropped even when
+    the original was lost.  The copies are the same packets (same sequence
+    numbers): whichever arrives first counts, the replay window drops the rest.
+    """
+    peers, frames = send
+    for _ in range(rnd.redundancy - 1):
+        n = node.send_frames(peers, frames)
+        rnd.sent += n
+        rnd.copies_sent += n
+
+
+async def send_copies(node: Node, rnd: Round, sends: collections.deque[Send] | None) -> None:
+    """Flush the copies still trailing at the end of a phase's sends."""
+    sent = 0
+    while sends:
+        peers, _ = send = sends.popleft()
+        send_copy(node, rnd, send)
+        sent += len(peers)
+        if sent >= YIELD_EVERY:
+            sent = 0
+            await asyncio.sleep(0)
+
+
+def chunk_of(
+    rnd: Round, pkt: Packet, dropped: collections.Counter[str]
+) -> tuple[int, int, torch.Tensor] | None:
+    """Validate (bucket, chunk, dtype, count) against our plan; None = drop.
+
+    Returns:
+        ``(bucket, chunk, values)``, ``values`` a zero-copy view of the payload;
+        None when the packet does not fit, counted in ``dropped`` by reason.
+    """
+    b, c = pkt.fields.get("b"), pkt.fields.get("c")
+    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
+        dropped["bad_chunk"] += 1
+        return None
+    plan = rnd.plans[b]
+    if not 0 <= c < plan.nchunks:
+        dropped["bad_chunk"] += 1
+        return None
+    dtype = DTYPES.get(pkt.fields.get("dt", ""))
+    _, count = plan.chunk(c)
+    if dtype != plan.dtype or pkt.fields.get("n") != count:
+        dropped["layout_mismatch"] += 1
+        return None
+    values = from_bytes(pkt.payload, dtype, count)
+    if not all_finite(values):
+        dropped["non_finite"] += 1
+        return None
+    return b, c, values

@@ -1,0 +1,269 @@
+"""State of one all-reduce round on one peer: phases, accumulators, the report.
+
+Split from :mod:`gossipnet.collectives.lossy.engine` so the protocol modules (the
+engine there, the phases in :mod:`._scatter` and :mod:`.broadcast`) hold what is
+sent when and what a packet does, and this one the bookkeeping they update:
+per-phase END accounting, per-chunk weights and counts, which all-gather chunks
+arrived, and the :class:`CollectiveReport` built from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from gossipnet.collectives.chunks import ChunkPlan, ShardMap
+from gossipnet.collectives.lossy.round_id import layout_of
+from gossipnet.reports import CollectiveReport
+from gossipnet.transport.wire import Packet
+
+__all__ = ("BufferPool", "OwnedShard", "Phase", "Round")
+
+
+class BufferPool:
+    """Scratch tensors of an engine's rounds (accumulators, broadcast copies), reused.
+
+    Why: a round of a 25M-element all-reduce on 4 peers needs a 25 MB accumulator
+    and broadcast copy per peer; fresh ones cost a page fault per 4 KiB, measured
+    at ~10% of the CPU of a whole round.  Why two sets used in alternation: the
+    previous round's buffers still back its broadcast, which answers repair
+    requests after the round ended and may still sit in a slow peer's send queue.
+    A buffer reused while a packet of it is still queued makes that packet fail
+    its MAC at the receiver (counted, never used): see ``transport.base.is_frozen``.
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[tuple[int, str, int], torch.Tensor] = {}
+        self._parity = 0
+
+    def next_round(self) -> int:
+        """Switch to the other set; returns its index, to pass to :meth:`get`."""
+        self._parity ^= 1
+        return self._parity
+
+    def get(
+        self, parity: int, name: str, bucket: int, numel: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """An uninitialised 1-D tensor, the same one as two rounds ago if the shape fits."""
+        key = (parity, name, bucket)
+        t = self._slots.get(key)
+        if t is None or t.numel() != numel or t.dtype != dtype:
+            t = torch.empty(numel, dtype=dtype)
+            self._slots[key] = t
+        return t
+
+
+@dataclass(slots=True)
+class OwnedShard:
+    """This peer's shard of one bucket after the reduce-scatter."""
+
+    bucket: int
+    start: int  # element offset in the bucket
+    average: torch.Tensor  # averaged values (float32/float64), length = shard size
+    weights: torch.Tensor  # per owned chunk: sum of weights that arrived
+    contributors: torch.Tensor  # per owned chunk: number of contributions that arrived
+
+
+@dataclass
+class Phase:
+    """END bookkeeping of one phase (reduce-scatter or all-gather)."""
+
+    expected: set[str]
+    start: float = 0.0
+    done: set[str] = field(default_factory=set)
+    declared: dict[str, int] = field(default_factory=dict)
+    received: collections.Counter[str] = field(default_factory=collections.Counter)
+    first: dict[str, float] = field(default_factory=dict)  # first arrival per sender
+    last: dict[str, float] = field(default_factory=dict)  # latest arrival per sender
+    latest: float = float("-inf")  # latest arrival from any sender
+    # when we learned the sender is past this phase (a later phase's or round's packet,
+    # a heartbeat's round): whatever it sent here is sent, so lost ENDs cost little
+    moved_on: dict[str, float] = field(default_factory=dict)
+    # when each sender's END arrived, and, for an END that arrived ahead of some of
+    # the data it closes, until when we still wait for that data (a learned window)
+    ended: dict[str, float] = field(default_factory=dict)
+    hold: dict[str, float] = field(default_factory=dict)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def complete(self) -> bool:
+        return self.expected <= self.done
+
+    def arrived(self, src: str, now: float) -> None:
+        if src not in self.first:
+            self.first[src] = now
+            self.wake.set()  # a new sender is active: its own deadline starts now
+        self.last[src] = now
+        self.latest = now
+
+    def passed(self, src: str, now: float) -> None:
+        """``src`` has moved past this phase: cut it shortly unless it completes."""
+        if src in self.expected and src not in self.done and src not in self.moved_on:
+            self.moved_on[src] = now
+            self.wake.set()
+
+    def held_back(self, src: str, declared: int) -> bool:
+        """Whether ``src``'s END is waiting for data it declared that has not come."""
+        return src in self.hold and self.received[src] < declared
+
+    def finish(self, src: str, now: float) -> float:
+        """``src`` is complete; return its span per packet (first arrival to END / count).
+
+        Per packet, so a history learned on small tensors still fits large ones.
+        """
+        self.arrived(src, now)
+        self.done.add(src)
+        self.wake.set()
+        return (now - self.first[src]) / max(1, self.received[src])
+
+
+class Round:
+    """State of one collective round on this peer."""
+
+    def __init__(
+        self,
+        r: int,
+        me: str,
+        participants: tuple[str, ...],
+        src: Sequence[torch.Tensor],
+        dst: Sequence[torch.Tensor],
+        weight: float,
+        chunk_bytes: Sequence[int],
+        mode: int = 0,
+        redundancy: int = 1,
+        pool: BufferPool | None = None,
+        in_place: bool = False,
+    ) -> None:
+        self.r = r
+        self.mode = mode
+        self.me = me
+        self.participants = participants
+        self.members = frozenset(participants)
+        # No private copy: every backend copies (or freezes) mutable frames inside
+        # ``send`` (the Transport contract), so the caller may reuse ``src`` afterwards.
+        self.src = list(src)
+        self.dst = list(dst)
+        self.plans = [
+            ChunkPlan(int(b.numel()), b.dtype, cb)
+            for b, cb in zip(self.src, chunk_bytes, strict=True)
+        ]
+        self.maps = [ShardMap(plan, participants) for plan in self.plans]
+        # what every data packet carries so that no other layout is mixed in (._round_id)
+        self.layout, self.layout_desc = layout_of(self.plans)
+        self.ident = {"r": r, "m": mode, "L": self.layout}  # opens every packet's fields
+        # members heard only in other rounds (latest id), and members whose packets
+        # carried another layout (their fingerprint): see ._round_id.alignment
+        self.elsewhere: dict[str, int] = {}
+        self.layout_conflicts: dict[str, int] = {}
+        self.owned = [m.chunks_of(me) for m in self.maps]
+        self.pool = pool or BufferPool()
+        self.parity = self.pool.next_round()
+        self.acc: list[torch.Tensor] = []
+        self.wsum: list[torch.Tensor] = []
+        self.count: list[torch.Tensor] = []
+        for b, buf in enumerate(self.src):
+            span = self.maps[b].owned_range(me)
+            acc_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
+            own = buf.narrow(0, span.start, len(span))
+            if (
+                in_place
+                and weight > 0
+                and acc_dtype == buf.dtype
+                and buf.data_ptr() == (self.dst[b].data_ptr())
+            ):
+                # ``dst`` is ``src`` and no one reads our own shard of it before the
+                # average lands there: accumulate in place, no copy in or out
+                # (weight > 0: a chunk with no weight would need the values back)
+                acc = own
+            else:
+                acc = self.pool.get(self.parity, "acc", b, len(span), acc_dtype)
+                acc.copy_(own)
+            if weight != 1.0:
+                acc.mul_(weight)
+            self.acc.append(acc)
+            n_owned = len(self.owned[b])
+            self.wsum.append(torch.full((n_owned,), float(weight), dtype=torch.float64))
+            self.count.append(torch.ones(n_owned, dtype=torch.int32))
+        self.seen: set[tuple[str, int, int]] = set()
+        self.got = [torch.zeros(p.nchunks, dtype=torch.bool) for p in self.plans]
+        others = {p for p in participants if p != me}
+        owns_any = any(len(o) for o in self.owned)
+        self.rs = Phase(expected=set(others) if owns_any else set())
+        self.ag = Phase(expected={p for p in others if any(len(m.chunks_of(p)) for m in self.maps)})
+        self.sending = True
+        self.rs_closed = False  # the shards are averaged: later contributions are late
+        self.pending_ag: list[Packet] = []
+        self.broadcast: list[memoryview] = []  # our averaged shards' bytes, kept for repairs
+        self.sent = 0
+        self.late = 0
+        self.repaired = False  # NACK repair ran (a resync): late answers teach no reorder
+        self.ag_chunks_sent = 0
+        self.rs_sent_to: collections.Counter[str] = collections.Counter()
+        self.redundancy = redundancy
+        self.copies_sent = 0
+        # XOR parity (._parity): our group size this round (0 = none), the payloads of
+        # streams that announce parity (kept to recover a group's one lost member)
+        self.fec_k = 0
+        self.fec_held: dict[tuple[str, int, int], memoryview] = {}
+        self.parity_sent = 0
+        self.recovered = 0
+        # per bucket, the mean step of each chunk that arrived (NaN: not measured);
+        # only while an optimizer estimates missed steps (._stale_step)
+        self.step_mag: list[torch.Tensor] | None = None
+        # what a sender that shares our view sends us; receiving all of it completes
+        # that sender even if all its END copies were lost
+        self.expect_rs = sum(len(o) for o in self.owned)
+
+    def rs_expected(self, peer: str) -> int:
+        """Reduce-scatter packets ``peer`` sends us if it shares our view."""
+        return self.expect_rs
+
+    def ag_expected(self, peer: str) -> int:
+        """All-gather packets ``peer`` sends us if it shares our view (its owned chunks)."""
+        return sum(len(m.chunks_of(peer)) for m in self.maps if peer in m.participants)
+
+    def report(self, elapsed: float, timed_out: bool) -> CollectiveReport:
+        """The round's :class:`CollectiveReport`: who contributed, sent, received, lost."""
+        rnd = self
+        expected = 0
+        received = 0
+        for phase, default in ((rnd.rs, self.rs_expected), (rnd.ag, self.ag_expected)):
+            for peer in phase.expected | phase.done:
+                expected += phase.declared.get(peer, default(peer))
+            received += sum(phase.received.values())
+        contributors = {rnd.me} | set(rnd.rs.received) | set(rnd.ag.received)
+        stale = 0
+        total = 0
+        for b, plan in enumerate(rnd.plans):
+            total += plan.nchunks
+            mask = rnd.got[b].clone()
+            owned = rnd.owned[b]
+            mask[owned.start : owned.stop] = True
+            stale += int((~mask).sum())
+        received -= rnd.recovered  # rebuilt from parity: delivered, but lost on the wire
+        lost = max(0, expected - received)
+        return CollectiveReport(
+            round=rnd.r,
+            method="allreduce",
+            participants=rnd.participants,
+            contributors=tuple(sorted(contributors)),
+            missing=tuple(sorted(set(rnd.participants) - contributors)),
+            packets_sent=rnd.sent,
+            packets_received=received,
+            packets_lost=lost,
+            chunks_total=total,
+            chunks_stale=stale,
+            delivered_fraction=received / expected if expected else 1.0,
+            elapsed_s=elapsed,
+            timed_out=timed_out,
+            extra={
+                "late": float(rnd.late),
+                "copies_sent": float(rnd.copies_sent),
+                "parity_sent": float(rnd.parity_sent),
+                "recovered": float(rnd.recovered),
+            },
+        )

@@ -1,0 +1,253 @@
+"""The reduce-scatter half of a round: send contributions, add up what arrives.
+
+Split from :mod:`gossipnet.collectives.lossy.engine`, which drives the round and
+routes packets; this module holds what the first phase does.  Each peer sends
+every chunk it does not own to the chunk's owner, once, in a staggered
+round-robin over the owners, from a read-only view of ``src`` (no copy), then
+an END marker per owner saying how many it sent.  The owner adds each
+contribution into its accumulator weighted by the sender's weight, and at the
+phase's end divides each chunk by the weights that arrived for it: unbiased
+under random loss, where dividing by N would be biased low by about (1 - p).
+The second phase, the all-gather, is :mod:`gossipnet.collectives.lossy.gather`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import TYPE_CHECKING
+
+import torch
+
+from gossipnet.collectives.chunks import as_bytes
+from gossipnet.collectives.lossy.packets import (
+    COPY_LAG,
+    YIELD_EVERY,
+    Send,
+    chunk_of,
+    send_copies,
+    send_copy,
+)
+from gossipnet.collectives.lossy.parity import group_count, on_parity, send_parity
+from gossipnet.collectives.lossy.round import OwnedShard, Round
+from gossipnet.transport.wire import DTYPE_CODES, Packet
+
+if TYPE_CHECKING:
+    from gossipnet.collectives.lossy.engine import LossyAllReduce
+
+__all__ = ("announce_rs_end", "finish_rs", "on_rs", "rs_order", "send_rs")
+
+
+async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
+    """Send each chunk we do not own to its owner (and its copies), then our ENDs."""
+    node = engine.node
+    kind = engine.k.rs_data
+    per_dest: collections.Counter[str] = collections.Counter()
+    copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
+    codes = [DTYPE_CODES[buf.dtype] for buf in rnd.src]
+    # Sliced per chunk: no per-chunk copy.  Read-only = frozen (transport.base.is_frozen):
+    # sent without a copy, as ``src`` does not change while the round runs.  What can
+    # change it is our own all-gather writing a chunk whose owner already cut us
+    # (dst is src for an in-place call) or the caller's next step while a packet to
+    # a peer we cut still sits in a queue; such a packet is useless to its owner by
+    # then, and fails its MAC there (counted, never used) instead of arriving stale.
+    raws = [as_bytes(buf).toreadonly() for buf in rnd.src]
+    # streams (owner, bucket) long enough for a parity group: only their payloads
+    # are worth keeping at the receiver
+    k = rnd.fec_k
+    fec = {
+        (owner, b)
+        for b, smap in enumerate(rnd.maps) if k
+        for owner in smap.participants
+        if group_count(len(smap.chunks_of(owner)), k)
+    }  # fmt: skip
+    for sent, (owner, b, c) in enumerate(rs_order(rnd), 1):
+        plan = rnd.plans[b]
+        raw, code = raws[b], codes[b]
+        _, count = plan.chunk(c)
+        fields = {
+            **rnd.ident,
+            "b": b,
+            "c": c,
+            "w": weight,
+            "dt": code,
+            "n": count,
+        }
+        if (owner, b) in fec:
+            fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
+        frames = node.encode_for((owner,), kind, fields, raw[plan.byte_slice(c)])
+        rnd.sent += node.send_frames((owner,), frames)
+        if copies is not None:
+            copies.append(((owner,), frames))
+            if len(copies) > COPY_LAG:
+                send_copy(node, rnd, copies.popleft())
+        per_dest[owner] += 1
+        if sent % YIELD_EVERY == 0:
+            await asyncio.sleep(0)
+    if rnd.fec_k:
+        await _send_rs_parity(engine, rnd, raws, codes, weight)
+    await send_copies(node, rnd, copies)
+    rnd.rs_sent_to = per_dest
+    announce_rs_end(engine, rnd, engine._end_copies(rnd))
+
+
+async def _send_rs_parity(
+    engine: LossyAllReduce, rnd: Round, raws: list[memoryview], codes: list[str], weight: float
+) -> None:
+    """Parity packets of every stream we sent: each owner's range of each bucket."""
+    for b, smap in enumerate(rnd.maps):
+        plan = rnd.plans[b]
+        for owner in smap.participants:
+            chunks = smap.chunks_of(owner)
+            if owner == rnd.me or not len(chunks):
+                continue
+            span = slice(plan.byte_slice(chunks.start).start, plan.byte_slice(chunks.stop - 1).stop)
+            fields = {**rnd.ident, "w": weight}
+            kind = engine.k.rs_data
+            rnd.sent += send_parity(engine, rnd, kind, (owner,), b, chunks, raws[b][span], fields)
+            await asyncio.sleep(0)
+
+
+def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
+    """END of our reduce-scatter to each other participant: how many we sent it.
+
+    ``copies`` are the same packet (one encoding): the first to arrive counts,
+    the receiver's replay window drops the others.
+    """
+    if copies < 1:  # a quiet network: no END at all, so none to encode (and sign)
+        return
+    node = engine.node
+    lossy = int(engine.loss.recent)
+    for peer in rnd.participants:
+        if peer != rnd.me:
+            end = {
+                **rnd.ident,
+                "n": rnd.rs_sent_to[peer],
+                "l": lossy,
+            }
+            frames = node.encode_for((peer,), engine.k.rs_end, end)
+            for _ in range(copies):
+                node.send_frames((peer,), frames)
+
+
+def rs_order(rnd: Round) -> list[tuple[str, int, int]]:
+    """(owner, bucket, chunk) in sending order: round-robin over the owners,
+    each peer starting at the owner after itself.
+
+    Why: shards are contiguous, so chunk order would make every peer send to
+    the first owner at once, then all to the second: one receiver's buffers
+    overflow while the others idle.  Staggered round-robin spreads the load
+    over all receivers at every moment (and over a paced link's queues).
+    """
+    per_owner: dict[str, list[tuple[str, int, int]]] = {}
+    for b, smap in enumerate(rnd.maps):
+        for p in smap.participants:
+            if p == rnd.me:
+                continue
+            chunks = smap.chunks_of(p)
+            if len(chunks):
+                per_owner.setdefault(p, []).extend((p, b, c) for c in chunks)
+    parts = rnd.participants
+    me = parts.index(rnd.me) if rnd.me in parts else 0
+    ring = [parts[(me + i) % len(parts)] for i in range(1, len(parts))]
+    queues = [per_owner[p] for p in ring if p in per_owner]
+    longest = max((len(q) for q in queues), default=0)
+    return [q[i] for i in range(longest) for q in queues if i < len(q)]
+
+
+def finish_rs(rnd: Round) -> list[OwnedShard]:
+    """Divide each owned chunk's weighted sum by the weights that arrived for it.
+
+    In place in the accumulators (one pass, no copy).  A chunk whose arrived
+    weights sum to 0 keeps our own values, never 0/0.
+    """
+    shards = []
+    for b, plan in enumerate(rnd.plans):
+        span = rnd.maps[b].owned_range(rnd.me)
+        wsum = rnd.wsum[b]
+        acc = rnd.acc[b]
+        avg = acc
+        if len(span):
+            # one in-place pass: divide each chunk by the weight that arrived for it
+            safe = wsum.to(acc.dtype).clamp_min(1e-30)
+            n_full = len(span) // plan.chunk_elems
+            if n_full:
+                acc[: n_full * plan.chunk_elems].view(n_full, plan.chunk_elems).div_(
+                    safe[:n_full, None]
+                )
+            if len(span) > n_full * plan.chunk_elems:
+                acc[n_full * plan.chunk_elems :].div_(safe[n_full])
+            zero = wsum <= 0
+            if bool(zero.any()):  # no weight arrived: keep our own values, never 0/0
+                own = rnd.src[b].narrow(0, span.start, len(span))
+                for c in torch.nonzero(zero).flatten().tolist():
+                    lo = c * plan.chunk_elems
+                    hi = min(lo + plan.chunk_elems, len(span))
+                    acc[lo:hi].copy_(own[lo:hi])
+        shards.append(OwnedShard(b, span.start, avg, wsum, rnd.count[b]))
+    return shards
+
+
+def on_rs(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
+    """Add one contribution into our accumulator (weighted), once per (sender, chunk).
+
+    A parity packet (``"g"`` in its fields) may rebuild one lost contribution.
+    """
+    w = pkt.fields.get("w", 1.0)
+    if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+        engine.dropped["bad_weight"] += 1
+        return
+    if pkt.src in rnd.rs.ended:  # it was overtaken by its sender's END: learn by how much
+        engine.note_after_end(rnd, pkt)
+    if rnd.rs_closed:  # our averages are taken (and may be on the wire): too late
+        engine.dropped["late"] += 1
+        rnd.late += 1
+        return
+    src = pkt.src
+    if "g" in pkt.fields:
+        on_parity(
+            engine,
+            rnd,
+            pkt,
+            lambda b: rnd.owned[b],
+            lambda b, c: (src, b, c) in rnd.seen,
+            lambda b, c: rnd.fec_held.get((src, b, c)),
+            lambda b, c, values: _accept_rs(engine, rnd, src, b, c, values, float(w)),
+        )
+        return
+    got = chunk_of(rnd, pkt, engine.dropped)
+    if got is None:
+        return
+    b, c, values = got
+    if c not in rnd.owned[b]:
+        engine.dropped["not_owner"] += 1  # the sender's view differs from ours
+        return
+    if (src, b, c) in rnd.seen:
+        engine.dropped["duplicate"] += 1
+        return
+    if pkt.fields.get("x"):
+        rnd.fec_held[(src, b, c)] = pkt.payload
+    _accept_rs(engine, rnd, src, b, c, values, float(w))
+
+
+def _accept_rs(
+    engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor, w: float
+) -> None:
+    """Count one contribution (arrived or rebuilt from parity) into our average."""
+    plan = rnd.plans[b]
+    rnd.seen.add((src, b, c))
+    _, count = plan.chunk(c)
+    i = c - rnd.owned[b].start  # our i-th owned chunk; the shard starts at a chunk boundary
+    lo = i * plan.chunk_elems
+    rnd.acc[b][lo : lo + count].add_(values, alpha=w)
+    rnd.wsum[b][i] += w
+    rnd.count[b][i] += 1
+    rs = rnd.rs
+    rs.received[src] += 1
+    now = engine.node.clock.now()
+    rs.arrived(src, now)
+    if src not in rs.done and (
+        rs.received[src] >= rnd.expect_rs
+        or (src in rs.hold and not rs.held_back(src, rs.declared[src]))
+    ):
+        engine._spans["rs"].append(rs.finish(src, now))

@@ -1,0 +1,185 @@
+"""``strategy="route"`` / ``method="route"``: local steps, then route-aware gossip.
+
+Decentralised SGD as in RoADTrain (reconstructed, ALGORITHMS.md section 4): every peer
+steps its own optimizer on its own batches, and every ``average_every`` steps it
+gossips its parameters with the neighbours that the shared routes say it can reach
+(:mod:`gossipnet.collectives.route.averager`).  Why not all-reduce: vehicles are rarely all in
+range of each other; a gossip step needs only the links that exist this round.
+
+The round number comes from the step count (``step // average_every``), the same on
+every peer at the same step, so peers that stalled rejoin the right round and the
+plan (a function of the round's route time) is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gossipnet.collectives.chunks import all_finite
+from gossipnet.errors import ConfigError
+from gossipnet.reports import CollectiveReport
+from gossipnet.training._local_step import scale_for_microbatches, state_tensors
+
+if TYPE_CHECKING:
+    from gossipnet.peer import Peer
+    from gossipnet.training.optimizer import GossipOptimizer
+
+__all__ = ("RouteStrategy", "route_average")
+
+log = logging.getLogger(__name__)
+
+
+def route_average(
+    peer: Peer,
+    tensors: Sequence[torch.Tensor],
+    *,
+    rounds: int | None = None,
+    timeout: float | None = None,
+    start_round: int | None = None,
+) -> CollectiveReport:
+    """``peer.average(tensors, method="route")``: see :meth:`gossipnet.Peer.average`.
+
+    The tensors travel as one float32 vector (route gossip's wire format) and are
+    written back in their own dtypes.  Non-finite local values are not sent: this
+    peer sits the round out (its partners' exchanges with it fail, so both keep
+    their values) and the report's ``extra["nonfinite_local"]`` is 1.
+    """
+    averager = peer._route
+    if averager is None:
+        raise ConfigError("route averaging is not running on this peer")
+    if not tensors:
+        raise ValueError("average needs at least one tensor")
+    if rounds is not None and rounds < 1:
+        raise ConfigError(f"rounds must be >= 1, got {rounds}")
+    flat = peer._flat_for(tensors)
+    buckets = flat.flatten(tensors)
+    me = peer.peer_id
+    if not all(all_finite(b) for b in buckets):
+        log.warning("peer %s: non-finite values to average; sitting this round out", me)
+        skipped = 0 if start_round is None else start_round
+        return CollectiveReport(
+            round=skipped,
+            method="route",
+            participants=(me,),
+            contributors=(me,),
+            extra={"nonfinite_local": 1.0},
+        )
+    joined = torch.cat([b.detach().reshape(-1).to("cpu", torch.float32) for b in buckets])
+    share_wait = peer.config.control_timeout_s if timeout is None else timeout
+    reports = []
+    for i in range(rounds or 1):
+        rnd = None if start_round is None else start_round + i
+        coro = averager.average(joined, rnd=rnd, share_wait_s=share_wait)
+        reports.append(peer._call(coro, averager.bound_s(share_wait) + 30))
+    offset = 0
+    for b in buckets:
+        n = b.numel()
+        b.copy_(joined[offset : offset + n].view_as(b))
+        offset += n
+    flat.unflatten_into(tensors)
+    return _merge(reports)
+
+
+def _merge(reports: list[CollectiveReport]) -> CollectiveReport:
+    """One report for several rounds: counts summed, peers united, the last round's extras."""
+    if len(reports) == 1:
+        return reports[0]
+    out = CollectiveReport(round=reports[0].round, method="route", extra=dict(reports[-1].extra))
+    for r in reports:
+        out.participants = tuple(sorted({*out.participants, *r.participants}))
+        out.contributors = tuple(sorted({*out.contributors, *r.contributors}))
+        out.packets_sent += r.packets_sent
+        out.packets_received += r.packets_received
+        out.packets_lost += r.packets_lost
+        out.chunks_total += r.chunks_total
+        out.chunks_stale += r.chunks_stale
+        out.elapsed_s += r.elapsed_s
+        out.timed_out |= r.timed_out
+    out.missing = tuple(sorted(set(out.participants) - set(out.contributors)))
+    expected = out.packets_received + out.packets_lost
+    out.delivered_fraction = out.packets_received / expected if expected else 1.0
+    out.extra["rounds"] = float(len(reports))
+    return out
+
+
+class RouteStrategy:
+    """The route strategy of one :class:`~gossipnet.training.optimizer.GossipOptimizer`.
+
+    Args:
+        opt: the wrapper (its peer, base optimizer, parameter groups).
+        average_every: local steps between gossip rounds (k).
+        rounds: gossip rounds per averaging (each plans afresh on the routes).
+        average_state: also gossip floating optimizer state shaped like the
+            parameters (momentum buffers, Adam's moments).
+
+    Start every peer from the same initial parameters (same seed) for the usual
+    decentralised-SGD behaviour; different starts are pulled together by gossip, at
+    the pace the links allow.
+    """
+
+    def __init__(
+        self,
+        opt: GossipOptimizer,
+        *,
+        average_every: int = 1,
+        rounds: int = 1,
+        average_state: bool = False,
+    ) -> None:
+        if average_every < 1 or rounds < 1:
+            raise ConfigError("average_every >= 1 and rounds >= 1 required")
+        if opt.peer._route is None or opt.peer._route.own is None:
+            raise ConfigError(
+                "strategy='route' needs this peer's route: join(..., route=...) or "
+                "net.set_route(route) before net.optimizer(...)"
+            )
+        self.opt = opt
+        self.peer = opt.peer
+        self.base = opt.base
+        self.average_every = average_every
+        self.rounds = rounds
+        self.average_state = average_state
+        self.params = [p for group in opt.groups for p in group]
+
+    def step(
+        self, closure: Callable[[], Any] | None = None, weight: float | None = None
+    ) -> CollectiveReport:
+        """A local step; every ``average_every`` steps, a route-aware gossip round.
+
+        After a ``net.microbatches`` loop (and ``weight=None``) the summed gradient
+        is scaled as the all-reduce strategy scales it (1 / micro-batches done, or
+        1 / K with ``normalise="full"``), so a step is a mean gradient step however
+        many micro-batches the cut-off let through.  ``weight`` is otherwise
+        ignored: Metropolis-Hastings weights come from the plan's degrees, the same
+        at both ends of a link, which is what keeps the mean; weighting peers by
+        work done would need push-sum instead.
+        """
+        mb, closure = scale_for_microbatches(self.peer, self.params, closure, weight)
+        self.base.step(closure)
+        self.opt.step_count += 1
+        me = self.peer.peer_id
+        report = CollectiveReport(method="local", participants=(me,), contributors=(me,))
+        if self.opt.step_count % self.average_every == 0:
+            sweep = self.opt.step_count // self.average_every - 1
+            report = self.average(start_round=sweep * self.rounds)
+        if mb is not None:
+            report.extra.update(mb.as_extra())
+        self.opt.last_report = report
+        return report
+
+    def average(self, start_round: int | None = None) -> CollectiveReport:
+        """Gossip the parameters (and optionally the optimizer state) now."""
+        tensors = [p.detach() for p in self.params]
+        if self.average_state:
+            tensors += state_tensors(self.base, self.params)
+        return route_average(self.peer, tensors, rounds=self.rounds, start_round=start_round)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_count": self.opt.step_count, "base": self.base.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.opt.step_count = int(state["step_count"])
+        self.base.load_state_dict(state["base"])
