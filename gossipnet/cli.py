@@ -377,16 +377,36 @@ def _register_testbed() -> None:
 _register_testbed()
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default once, and descriptions as written.
+
+    Why not plain ``ArgumentDefaultsHelpFormatter``: it appends "(default: ...)" even
+    where the help already says what the default means (a doubled default), and
+    "(default: False)" to every flag; descriptions keep their line breaks (examples).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``gossipnet`` console script; returns the exit status."""
+    from gossipnet import __version__
+
     parser = argparse.ArgumentParser(
         prog="gossipnet", description="data-parallel PyTorch training over lossy networks"
     )
+    parser.add_argument("--version", action="version", version=f"gossipnet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, cmd in COMMANDS.items():
-        fmt = argparse.ArgumentDefaultsHelpFormatter
         cmd.configure(
-            sub.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=fmt)
+            sub.add_parser(
+                name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter
+            )
         )
     args = parser.parse_args(argv)
     return COMMANDS[args.command].run(args)

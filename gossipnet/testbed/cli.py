@@ -22,15 +22,37 @@ import argparse
 import time
 from typing import Any
 
-__all__ = ("HELP", "add_parser", "configure", "main")
+__all__ = ("DESCRIPTION", "HELP", "add_parser", "configure", "main")
 
-HELP = "k hosts (network namespaces) with kernel loss, caps and cuts; a command or peer in each"
+HELP = "k hosts (network namespaces) with kernel loss, caps and cuts; needs root"
+DESCRIPTION = """\
+k hosts (network namespaces h0.., 10.77.0.1..) on one bridge, with kernel packet loss,
+bandwidth caps and link cuts; a command or a gossipnet training peer runs in each.
+
+Needs root: it creates network namespaces and veth links (ip), drops frames with
+nftables (nft) and caps links with tc tbf; scripts/install-testbed-deps.sh installs
+them. Without root or these tools it exits with status 2 and says why. Everything is
+torn down however the run ends (Ctrl-C included).
+
+Cuts (--cut h3@5 cuts h3 5 s after the commands started; --cut-mode): "drop" drops
+every frame to and from the host at the switch (nftables; its link stays up), "down"
+sets the host's switch port down (the host sees NO-CARRIER, as with a pulled cable).
+MTU (--mtu): the MTU of the bridge and of every veth link, in bytes (1500 Ethernet,
+9000 jumbo frames); it also sizes the tbf burst of --rate-mbit, and the switch counts
+frames longer than it (it checks that no offload hands it super-packets).
+
+examples:
+  sudo gossipnet testbed --hosts 4 --loss 0.1 --train
+  sudo gossipnet testbed --loss 0.05 --rate-mbit 100 --cut h3@5 -- python my_peer.py {ip} {peers}
+  sudo gossipnet testbed --hold 600      # keep it up; use `ip netns exec <ns> ...` meanwhile
+"""
 EXIT_UNAVAILABLE = 2
 PEER_PORT = 7000
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    """Add the ``testbed`` options to ``p``."""
+    """Add the ``testbed`` options to ``p`` (and its description: root, cuts, MTU)."""
+    p.description = DESCRIPTION
     p.add_argument("--hosts", type=int, default=4, help="number of hosts (h0..)")
     p.add_argument(
         "--loss",
@@ -48,8 +70,15 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="HOST@SECONDS",
         help="cut a host this long after the commands started (repeatable)",
     )
-    p.add_argument("--cut-mode", choices=("drop", "down"), default="drop")
-    p.add_argument("--mtu", type=int, default=1500)
+    p.add_argument(
+        "--cut-mode",
+        choices=("drop", "down"),
+        default="drop",
+        help="how --cut cuts: drop the host's frames at the switch, or set its port down",
+    )
+    p.add_argument(
+        "--mtu", type=int, default=1500, help="MTU of the bridge and every link (bytes, 576-65535)"
+    )
     p.add_argument("--check", type=int, default=2000, help="probe datagrams per link (0: skip)")
     p.add_argument("--train", action="store_true", help="run a gossipnet training peer per host")
     p.add_argument("--steps", type=int, default=300, help="training steps (--train)")
@@ -66,7 +95,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add ``testbed`` to an ``add_subparsers()`` object; returns its parser."""
-    p: argparse.ArgumentParser = subparsers.add_parser("testbed", help=HELP, description=HELP)
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "testbed", help=HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     configure(p)
     p.set_defaults(func=main)
     return p
