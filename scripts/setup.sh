@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv and installs gossipnet with its test extras.
+# Creates .venv and installs gossipnet with its test, fast and docs extras.
 # Why explicit torch: a loose "torch" requirement pulls a multi-GB CUDA build;
 # on a machine without an NVIDIA GPU we install the CPU build of the pinned release.
 set -euo pipefail
@@ -23,7 +23,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
            --index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
   fi
 fi
-"${pip[@]}" -e ".[test,fast]"
+"${pip[@]}" -e ".[test,fast,docs]"
 # The network-namespace testbed needs nftables and iproute2 (root only); its tests skip
 # with a reason where they cannot run, so a failure here is not fatal.
 bash scripts/install-testbed-deps.sh || echo "testbed tools not installed; its tests will skip"
