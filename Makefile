@@ -17,7 +17,7 @@ test: setup docs
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The API reference, from the docstrings (pdoc): build/api/index.html (git-ignored).
-# Fails on an import error or a pdoc warning; ~10 s. Which modules: scripts/build_api_docs.py.
+# Fails on an import error or a pdoc warning; 7-21 s on 2 shared cores. Modules: scripts/build_api_docs.py.
 docs: setup
 	$(PY) scripts/build_api_docs.py build/api
 
