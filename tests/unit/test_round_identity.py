@@ -27,7 +27,7 @@ from gossipnet.collectives.lossy.round_id import (
     valid_round,
 )
 from gossipnet.runtime.kinds import NodeKind
-from tests._peers import run_peers
+from gossipnet.testing import run_peers
 
 from ..conftest import FAST
 
