@@ -41,6 +41,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -93,6 +94,9 @@ class _Inbox:
         self.packets: list[list[bytes]] = []
         self.threads: set[int] = set()
         self.types_ok = True
+
+    def has(self, count: int) -> bool:
+        return len(self.packets) >= count
 
     def __call__(self, frames: list[memoryview]) -> None:
         self.threads.add(threading.get_ident())
@@ -183,9 +187,8 @@ async def check_many_packets_and_urgent(spec: TransportSpec) -> None:
     async with _pair(spec) as (tx, rx, inbox):
         for i in range(n):
             assert _send(tx, rx.address, [i.to_bytes(4, "big"), bytes(512)], urgent=i % 7 == 0)
-            if i % 20 == 19:  # a modest rate: wait until most of this burst is in
-                sent = i + 1
-                await _eventually(spec, lambda: len(inbox.packets) > sent - 20, "the burst")
+            if i % 20 == 19:  # a modest rate: wait until the previous burst is in
+                await _eventually(spec, functools.partial(inbox.has, i - 19), "the burst")
         await _eventually(spec, lambda: len(inbox.packets) == n, f"{n} packets")
         assert sorted(int.from_bytes(p[0], "big") for p in inbox.packets) == list(range(n))
 
