@@ -185,6 +185,18 @@ def test_the_walk_sees_every_kind_of_import() -> None:
         "gossipnet.transport.zeromq.backend",
     ) in pairs  # inside a function
 
+    def relative(code: str, module: str, is_pkg: bool = False) -> list[str]:
+        node = ast.parse(code).body[0]
+        assert isinstance(node, ast.ImportFrom)
+        return list(_targets(node, module, is_pkg))
+
+    assert relative("from ..clock import FakeClock", "gossipnet.transport.memory") == [
+        "gossipnet.clock"
+    ]
+    assert relative("from . import memory", "gossipnet.transport", is_pkg=True) == [
+        "gossipnet.transport.memory"
+    ]
+
 
 def test_every_module_has_a_layer() -> None:
     lost = sorted(m for m in MODULES if _layer(m) is None)
