@@ -145,7 +145,8 @@ class MemoryTransport(Transport):
 
         Returns False (and counts why) when this endpoint is closed or not started
         (``send_errors``), ``dst`` is unknown or closed (``dropped_unreachable``),
-        the packet exceeds :attr:`max_packet_bytes` (``dropped_oversize``) or
+        the packet has no frame (``dropped_malformed``), exceeds
+        :attr:`max_packet_bytes` (``dropped_oversize``) or
         ``dst``'s queue limit is reached (``dropped_queue_full``).
         """
         stats = self.stats
@@ -157,6 +158,9 @@ class MemoryTransport(Transport):
         target_loop = target._loop if target is not None else None
         if target is None or target._closed or target_loop is None or target_loop.is_closed():
             stats.dropped_unreachable += 1
+            return False
+        if not frames:  # as on the socket backends: a packet has at least one frame
+            stats.dropped_malformed += 1
             return False
         nbytes = 0
         for frame in frames:

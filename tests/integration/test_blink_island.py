@@ -20,7 +20,7 @@ import torch
 import gossipnet
 from gossipnet.collectives.island.averager import island_label, plan_islands
 from gossipnet.collectives.island.proto import IslandInfo
-from tests._peers import run_peers
+from gossipnet.testing import run_peers
 
 from ._island_worker import NET, TIMEOUT_S, TOPOLOGY, values
 

@@ -20,8 +20,7 @@ import torch
 import gossipnet
 from gossipnet import ConfigError, RadioModel, Route
 from gossipnet.mobility import ScheduleConfig, plan_round, round_mixing_matrix
-from gossipnet.testing import radio_faults
-from tests._peers import run_peers
+from gossipnet.testing import radio_faults, run_peers
 
 N = 5
 FAST = {

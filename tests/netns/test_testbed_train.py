@@ -26,7 +26,7 @@ import pytest
 
 from gossipnet.testbed import Testbed, measure_links, unavailable_reason
 from gossipnet.testbed.train import TrainSpec, train_peer
-from tests.conftest import _wait_until_sync as wait_until_sync
+from gossipnet.testing import wait_until_sync
 
 REASON = unavailable_reason()
 pytestmark = [

@@ -9,7 +9,7 @@ import gossipnet
 from gossipnet.collectives.blink.executor import CpuExecutor
 from gossipnet.collectives.blink.topology import parse_topo_matrix
 from gossipnet.collectives.island.hierarchical import IslandAverager
-from tests._peers import run_peers
+from gossipnet.testing import run_peers
 
 from ._blink_fixtures import FIXTURES
 

@@ -17,8 +17,8 @@ import torch
 
 import gossipnet
 from gossipnet.clock import FakeClock
+from gossipnet.testing import run_peers
 from gossipnet.training.dropcompute import Normalise
-from tests._peers import run_peers
 
 pytestmark = pytest.mark.timeout(60)
 

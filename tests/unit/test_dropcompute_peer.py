@@ -20,18 +20,18 @@ import torch
 
 import gossipnet
 from gossipnet.clock import FakeClock
+from gossipnet.testing import run_peers as _run_peers
 from gossipnet.testing.noise import LogNormalDelay, NoisePlan, Stall
 from gossipnet.training.autotau import AutoTau, AutoTauConfig
 from gossipnet.training.dropcompute import Normalise
 from gossipnet.training.microbatch import gather_rows
-from tests._peers import run_peers as _run_peers
 
 FAST = {"heartbeat_interval_s": 0.05, "failure_timeout_s": 1.0, "collective_timeout_s": 5.0}
 K = 4
 
 
 def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any) -> list[Any]:
-    """``tests._peers.run_peers`` with this module's fast settings."""
+    """``gossipnet.testing.run_peers`` with this module's fast settings."""
     return _run_peers(n, body, timeout_s=30, **{**FAST, **config})
 
 

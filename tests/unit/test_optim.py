@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gossipnet
-from tests._peers import run_peers as _run_peers
+from gossipnet.testing import run_peers as _run_peers
 
 FAST = {
     "heartbeat_interval_s": 0.05,
@@ -24,7 +24,7 @@ FAST = {
 
 
 def run_peers(n: int, body: Callable[[int, gossipnet.Peer], Any], **config: Any) -> list[Any]:
-    """``tests._peers.run_peers`` with this module's fast settings."""
+    """``gossipnet.testing.run_peers`` with this module's fast settings."""
     return _run_peers(n, body, timeout_s=60, **{**FAST, **config})
 
 

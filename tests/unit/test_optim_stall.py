@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import gossipnet
-from tests._peers import run_peers
+from gossipnet.testing import run_peers
 
 #: The round bound the others time out on while the stalled peer waits (short: the
 #: stall lasts two such timeouts); the failure timeout is longer than the stall, so

@@ -3,7 +3,7 @@
 Each test shows one way peers used to fall out of step unnoticed: a call more on
 one peer, a replica a resync left wrong, another tensor layout, a round number
 out of range; and that now it is noticed, repaired or raised, and reported.
-MemoryNetwork peers in threads (``tests._peers.run_peers``), seeded, bounded.
+MemoryNetwork peers in threads (``gossipnet.testing.run_peers``), seeded, bounded.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from gossipnet.collectives.lossy.round_id import (
     valid_round,
 )
 from gossipnet.runtime.kinds import NodeKind
-from tests._peers import run_peers
+from gossipnet.testing import run_peers
 
 from ..conftest import FAST
 
