@@ -46,10 +46,10 @@ def test_join_tunes_malloc_only_when_config_says_so(
     tune: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import gossipnet
-    from gossipnet import _core as _peer_core
+    from gossipnet.runtime import runtime as _runtime
 
     calls: list[bool] = []
-    monkeypatch.setattr(_peer_core, "tune_malloc", lambda: calls.append(True) or True)
+    monkeypatch.setattr(_runtime, "tune_malloc", lambda: calls.append(True) or True)
     peer = gossipnet.join(peers=[], listen="tcp://127.0.0.1:0", tune_malloc=tune)
     try:
         assert calls == ([True] if tune else [])

@@ -18,6 +18,7 @@ from gossipnet.errors import ConfigError
 from gossipnet.runtime import _join_check, _node_io, _node_membership
 from gossipnet.runtime import join as _join
 from gossipnet.runtime import node as _node
+from gossipnet.runtime.flatbuffer import FlatCache
 
 
 def test_internal_names_are_pinned() -> None:
@@ -35,13 +36,12 @@ def test_internal_names_are_pinned() -> None:
         "unauthenticated",
     )
     assert _collective.__all__ == (
-        "FlatCache",
         "Staged",
         "moshpit_bound_s",
         "moshpit_config",
         "stage",
     )
-    assert _peer_core.__all__ == ("PeerCore",)
+    assert _peer_core.__all__ == ("ENGINES", "Engines", "IslandHost")
     assert _node_io.__all__ == ("NodeIO", "PacketCallback")
     assert _node_membership.__all__ == ("NodeMembership",)
     assert peer.__all__ == ("Peer", "join")
@@ -122,7 +122,7 @@ def test_stage_zeroes_nonfinite_and_writes_back() -> None:
         torch.tensor([1.0, float("nan")]),
         torch.tensor([[float("inf")]], dtype=torch.float64),
     ]
-    cache = _collective.FlatCache()
+    cache = FlatCache()
     flat = cache.get(tensors)
     assert cache.get(tensors) is flat
     staged = _collective.stage(flat, tensors)
