@@ -1,8 +1,9 @@
 """The internals under ``Peer`` and ``Node``: pinned names, and join()'s resolution.
 
-``peer.py`` and ``_node.py`` are split into layers (``_peer_core``, ``_join``,
-``_collective``; ``_node_io``, ``_node_membership``); these tests pin what each
-exports and that the public classes still carry every method in one place.
+``Peer`` holds a runtime (``runtime/runtime.py``) and the engines ``_core.py`` names;
+``Node`` holds three parts (``runtime/dispatch.py``, ``reliable.py``,
+``membership_protocol.py``); these tests pin what each exports and that the public
+classes still carry every method in one place.
 ``resolve_join`` is pure (no sockets), so torchrun's rules are checked here.
 """
 
@@ -15,7 +16,7 @@ from gossipnet import _collective, peer
 from gossipnet import _core as _peer_core
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
-from gossipnet.runtime import _join_check, _node_io, _node_membership
+from gossipnet.runtime import _join_check, dispatch, membership_protocol, reliable
 from gossipnet.runtime import join as _join
 from gossipnet.runtime import node as _node
 from gossipnet.runtime.flatbuffer import FlatCache
@@ -42,8 +43,9 @@ def test_internal_names_are_pinned() -> None:
         "stage",
     )
     assert _peer_core.__all__ == ("ENGINES", "Engines", "IslandHost")
-    assert _node_io.__all__ == ("NodeIO", "PacketCallback")
-    assert _node_membership.__all__ == ("NodeMembership",)
+    assert dispatch.__all__ == ("PacketCallback", "PacketIO", "RequestFilter")
+    assert reliable.__all__ == ("Reliable", "wait_future")
+    assert membership_protocol.__all__ == ("BEACON_LIMIT", "MembershipProtocol")
     assert peer.__all__ == ("Peer", "join")
     assert _node.__all__ == ("Node",)
 
@@ -76,10 +78,14 @@ def test_public_classes_keep_their_modules_and_methods() -> None:
         # the user-facing documentation is defined in gossipnet/peer.py itself
         assert name in vars(peer.Peer), name
         assert "Args:" in (getattr(peer.Peer, name).__doc__ or ""), name
+    # the parts' methods are bound onto each node (no forwarding call per packet)
+    node = _node.Node(config=Config(), listen="mem://n", peer_id="n")
     for name in ("send", "send_many", "send_frames", "send_reliable", "subscribe"):
-        assert hasattr(_node.Node, name), name
+        assert hasattr(node, name), name
     for name in ("on_heartbeat", "alive_peers", "on_membership", "wait_for_peers", "stats"):
-        assert hasattr(_node.Node, name), name
+        assert hasattr(node, name), name
+    assert node.send == node.io.send
+    assert node.send_reliable == node.reliable.send_reliable
 
 
 @pytest.fixture
