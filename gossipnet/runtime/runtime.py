@@ -1,7 +1,7 @@
 """One started peer's runtime: its loop thread, its node, its engines, blocking calls.
 
-:class:`Runtime` is what :class:`gossipnet.Peer` holds (it used to inherit it, as
-``PeerCore``): the event-loop thread (:mod:`gossipnet.runtime.loop`), the node
+:class:`Runtime` is what :class:`gossipnet.Peer` holds rather than inherits: the
+event-loop thread (:mod:`gossipnet.runtime.loop`), the node
 (:mod:`gossipnet.runtime.node`), the engines the facade registers, the flat-buffer
 cache, the join wait and shutdown.  Every method is sync and thread-safe: it submits a
 coroutine to the loop and waits with a deadline (:meth:`Runtime.call`); from the loop

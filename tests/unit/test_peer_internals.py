@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossipnet import _collective, peer
-from gossipnet import _core as _peer_core
+from gossipnet import _collective, _core, peer
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
 from gossipnet.runtime import _join_check, dispatch, membership_protocol, reliable
@@ -42,7 +41,7 @@ def test_internal_names_are_pinned() -> None:
         "moshpit_config",
         "stage",
     )
-    assert _peer_core.__all__ == ("ENGINES", "Engines", "IslandHost")
+    assert _core.__all__ == ("ENGINES", "Engines", "IslandHost")
     assert dispatch.__all__ == ("PacketCallback", "PacketIO", "RequestFilter")
     assert reliable.__all__ == ("Reliable", "wait_future")
     assert membership_protocol.__all__ == ("BEACON_LIMIT", "MembershipProtocol")
