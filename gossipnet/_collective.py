@@ -3,7 +3,8 @@
 :class:`~gossipnet.Peer`'s collectives run on the loop thread, but the
 caller's tensors stay on the caller's thread (STYLE: tensors cross threads as
 CPU copies; results are applied on the caller's thread).  So every call
-flattens the tensors into a cached :class:`FlatBuffer`, zeroes non-finite
+flattens the tensors into a cached :class:`FlatBuffer` (the runtime's
+:class:`~gossipnet.runtime.flatbuffer.FlatCache`), zeroes non-finite
 values (they are never sent), hands CPU buckets to the loop, then copies the
 result back on return.  Why one place: ``all_reduce`` and ``average`` did the
 same steps, and the order (sanitise before copying to the CPU; copy back
@@ -14,40 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
-from gossipnet.collectives.chunks import FlatBuffer, all_finite
+from gossipnet.collectives.chunks import all_finite
 from gossipnet.collectives.moshpit.averager import MoshpitConfig
+from gossipnet.runtime.flatbuffer import FlatBuffer
 
-__all__ = ("FlatCache", "Staged", "moshpit_bound_s", "moshpit_config", "stage")
-
-#: Layouts kept before the cache is emptied: a training loop uses one or two
-#: (gradients, parameters); more means the caller changes layouts as it goes.
-_MAX_LAYOUTS = 8
-
-
-class FlatCache:
-    """One :class:`FlatBuffer` per tensor layout (shapes, dtypes, devices).
-
-    Why: a ``FlatBuffer`` owns the flat buckets that the engines read from
-    and write into; building one per call would allocate every step.
-    """
-
-    def __init__(self) -> None:
-        self._flats: dict[tuple[Any, ...], FlatBuffer] = {}
-
-    def get(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
-        """The buffer for ``tensors``' layout, built on first use."""
-        key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
-        flat = self._flats.get(key)
-        if flat is None:
-            flat = FlatBuffer(tensors)
-            if len(self._flats) > _MAX_LAYOUTS:
-                self._flats.clear()
-            self._flats[key] = flat
-        return flat
+__all__ = ("Staged", "moshpit_bound_s", "moshpit_config", "stage")
 
 
 @dataclasses.dataclass(slots=True)

@@ -7,24 +7,24 @@ thread; results are written back on the caller's thread, so the trainer
 never races the network.
 
 This module holds what users call and read: ``join()``, the collectives,
-the optimizer and micro-batches.  The machinery under them lives in
-internal modules: ``_peer_core.py`` (loop thread, node, engines, blocking
-calls, shutdown), ``_join.py`` (arguments and environment to settings) and
-``_collective.py`` (flat buffers, CPU staging, write-back).
+the optimizer and micro-batches.  A ``Peer`` holds its machinery rather than
+inheriting it: a :class:`~gossipnet.runtime.runtime.Runtime` (loop thread, node,
+blocking calls, join wait, shutdown) and the engines built on it (``_core.py``).
+``runtime/join.py`` turns arguments and environment into settings, and
+``_collective.py`` stages tensors (flat buffers, CPU copies, write-back).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 
 import torch
 
 from gossipnet._collective import moshpit_bound_s, moshpit_config, stage
-from gossipnet._core import PeerCore
+from gossipnet._core import ENGINES, Engines, IslandHost
 from gossipnet.clock import Clock
-from gossipnet.collectives.chunks import FlatBuffer
 from gossipnet.collectives.lossy.engine import LossyAllReduce
 from gossipnet.collectives.route.averager import RouteTime
 from gossipnet.config import Config
@@ -34,9 +34,13 @@ from gossipnet.mobility.routes import Route
 from gossipnet.mobility.schedule import ScheduleConfig
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime import signals as _signals
-from gossipnet.runtime.join import resolve_join, warn_if_exposed
+from gossipnet.runtime.flatbuffer import FlatBuffer
+from gossipnet.runtime.join import advertise_host, resolve_join, warn_if_exposed
+from gossipnet.runtime.loop import LoopThread
+from gossipnet.runtime.node import Node
+from gossipnet.runtime.runtime import Runtime
 from gossipnet.training.dropcompute import Normalise
-from gossipnet.training.microbatch import MicrobatchLoop, MicrobatchReport, TauSpec
+from gossipnet.training.microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
 from gossipnet.training.optimizer import GossipOptimizer
 from gossipnet.training.replicas import ReplicaCheck
 from gossipnet.training.route import route_average
@@ -50,14 +54,107 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Peer(PeerCore):
+class Peer:
     """A running gossipnet peer; create it with :func:`join`.
 
     Thread-safe: any thread may call its methods, except the peer's own
     event-loop thread (that raises ``RuntimeError`` instead of deadlocking).
-    Identity, ``alive_peers``, ``stats``, ``wait_for_peers``, ``leave`` and
-    ``close`` come from :class:`gossipnet._core.PeerCore`.
     """
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        listen: str,
+        peer_id: str,
+        bootstrap: Sequence[str],
+        secret: bytes | None,
+        faults: Any = None,
+        clock: Clock | None = None,
+        network: Any = None,
+        expected_peers: int | None = None,
+    ) -> None:
+        self.config = config
+        node = Node(
+            config=config,
+            listen=listen,
+            peer_id=peer_id,
+            secret=secret,
+            bootstrap=bootstrap,
+            clock=clock,
+            faults=faults,
+            network=network,
+            advertise_host=advertise_host(bootstrap),
+        )
+        self._runtime = Runtime(node)
+        self._runtime.start(ENGINES, expected_peers=expected_peers)
+        engines = Engines.of(self._runtime)
+        # the names the training strategies read (through gossipnet/_training_host.py)
+        self._node = node
+        self._allreduce = engines.allreduce
+        self._optim_engine = engines.optimizer
+        self._replicas = engines.replicas
+        self._moshpit = engines.moshpit
+        self._statesync = engines.statesync
+        self._route = engines.route
+        self._island = engines.island
+        self._microbatch = MicrobatchState()
+
+    # ------------------------------------------------------------------ runtime
+    @property
+    def runtime(self) -> Runtime:
+        """The loop thread, node and engines under this peer (advanced use)."""
+        return self._runtime
+
+    @property
+    def peer_id(self) -> str:
+        return self._node.peer_id
+
+    @property
+    def address(self) -> str:
+        return self._node.address
+
+    @property
+    def node(self) -> Node:
+        """The async runtime (use only from the peer's loop thread)."""
+        return self._node
+
+    def alive_peers(self) -> list[str]:
+        """Peers currently believed alive, sorted, this one included."""
+        return self._runtime.alive_peers()
+
+    def stats(self) -> dict[str, Any]:
+        """Transport, fault and wire counters (a snapshot)."""
+        return self._runtime.stats()
+
+    def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:
+        """Block until ``count`` peers (self included) are alive; False at the deadline."""
+        return self._runtime.wait_for_peers(count, timeout_s)
+
+    def leave(self) -> None:
+        """Announce departure to the alive peers (bounded wait), then close."""
+        self._runtime.leave()
+
+    def close(self, *, announce: bool = False) -> None:
+        """Close sockets, cancel tasks, join the loop thread; idempotent."""
+        self._runtime.close(announce=announce)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.leave()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._runtime.closed else "open"
+        return f"<gossipnet.Peer {self.peer_id} {self.address} {state}>"
+
+    def _call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        return self._runtime.call(coro, timeout_s)
+
+    @property
+    def _loop(self) -> LoopThread:
+        return self._runtime.loop_thread
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(
@@ -148,8 +245,8 @@ class Peer(PeerCore):
             the leaders) or, for a member, its island's view (no packets sent).
             See :mod:`gossipnet.collectives.island.averager`.
         """
-        assert self._island is not None
-        return self._island.average(self, tensors, timeout, topology=topology, device=device)
+        host = IslandHost(self._runtime, self._allreduce)
+        return self._island.average(host, tensors, timeout, topology=topology, device=device)
 
     async def _all_reduce(
         self, buckets: list[torch.Tensor], weight: float, timeout_s: float
@@ -157,7 +254,6 @@ class Peer(PeerCore):
         return await self._engine().run(buckets, weight=weight, timeout_s=timeout_s)
 
     def _engine(self) -> LossyAllReduce:
-        assert self._allreduce is not None
         return self._allreduce
 
     def average(
@@ -217,7 +313,6 @@ class Peer(PeerCore):
         if not tensors:
             raise ValueError("average needs at least one tensor")
         averager = self._moshpit
-        assert averager is not None
         cfg = moshpit_config(averager.config, group_size, timeout)
         staged = stage(self._flat_for(tensors), tensors)
         if staged.nonfinite:
@@ -260,7 +355,6 @@ class Peer(PeerCore):
             raise ConfigError(f"route must be a gossipnet.Route, got {type(route).__name__}")
         if route is not None and len(route.times_s) > 4096:
             raise ConfigError("a shared route may have at most 4096 waypoints; share less ahead")
-        assert self._route is not None
         self._call(self._route.configure(route, radio, schedule, route_time))
 
     # ------------------------------------------------------------------ replicas
@@ -299,7 +393,6 @@ class Peer(PeerCore):
         return self._call(self._verdict())
 
     async def _verdict(self) -> ReplicaCheck:
-        assert self._replicas is not None
         return self._replicas.verdict(self._node.alive_peers())
 
     async def _await_digests(self, timeout_s: float) -> ReplicaCheck:
@@ -313,7 +406,7 @@ class Peer(PeerCore):
 
     def _flat_for(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
         """The cached flat buffer for ``tensors``' layout (also used by route averaging)."""
-        return self._flats.get(tensors)
+        return self._runtime.flats.get(tensors)
 
     def optimizer(
         self, base: torch.optim.Optimizer, strategy: str = "allreduce", **kwargs: Any

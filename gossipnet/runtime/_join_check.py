@@ -1,7 +1,7 @@
 """Why ``join()`` found fewer peers than it expected, in words a user can act on.
 
 When the expected peers are not all alive at ``Config.join_timeout_s``,
-:class:`~gossipnet._core.PeerCore` either raises
+:class:`~gossipnet.runtime.runtime.Runtime` either raises
 :class:`~gossipnet.JoinError` or, with ``Config.min_peers`` met, goes on with a
 warning; both say the same thing, built here: who is alive, which bootstrap
 addresses never answered, and whose packets failed authentication, with the

@@ -9,29 +9,34 @@ Moshpit, state transfer).  The data path is fire-and-forget
 :meth:`Node.send_reliable`: resend with exponential backoff until an ACK or
 a deadline, the receiver acting once per request id.
 
-The node is three layers, each a class over the one below it:
-``_node_io.py`` (:class:`~gossipnet.runtime._node_io.NodeIO`: sending, reliable
-sends, receive and dispatch: the per-packet path), ``_node_membership.py``
-(:class:`~gossipnet.runtime._node_membership.NodeMembership`: hello, views,
-heartbeats, leave, waiting for peers) and this module (:class:`Node`: its
-state, start, background tasks, close, counters).
+The node is three parts, held by composition and each tested alone:
+:attr:`Node.io` (:class:`~gossipnet.runtime.dispatch.PacketIO`: send, receive,
+dispatch by kind: the per-packet path), :attr:`Node.reliable`
+(:class:`~gossipnet.runtime.reliable.Reliable`: acks, retries, once per request) and
+:attr:`Node.members` (:class:`~gossipnet.runtime.membership_protocol.MembershipProtocol`:
+hello, views, heartbeats, leave, waiting for peers).  This module keeps the node's
+state, start, background tasks, close and counters.
+
+Why the parts' methods are bound onto the node in ``__init__`` (``node.send is
+node.io.send``) rather than wrapped in methods: ``send`` and ``send_frames`` run once
+per packet, and a forwarding call there would cost the all-reduce throughput.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from gossipnet.clock import Clock, MonotonicClock
 from gossipnet.config import Config
-from gossipnet.runtime._node_io import PacketCallback
-from gossipnet.runtime._node_membership import NodeMembership
+from gossipnet.runtime.dispatch import PacketIO
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.runtime.membership import Membership
+from gossipnet.runtime.membership_protocol import MembershipProtocol
+from gossipnet.runtime.reliable import Reliable, wait_future
 from gossipnet.transport import create_transport
 from gossipnet.transport.base import Transport
 from gossipnet.transport.wire import WireCodec
@@ -41,8 +46,16 @@ __all__ = ("Node",)
 log = logging.getLogger(__name__)
 
 
-class Node(NodeMembership):
-    """Transport + wire + membership + dispatch for one peer."""
+class Node:
+    """Transport + wire + membership + dispatch for one peer.
+
+    Besides its own methods it offers its parts' (bound once, see the module):
+    ``send``, ``send_many``, ``send_frames``, ``encode_for``, ``send_to_address``,
+    ``subscribe``, ``unsubscribe`` (:class:`PacketIO`); ``send_reliable``
+    (:class:`Reliable`); ``alive_peers``, ``on_membership``, ``on_heartbeat``,
+    ``wait_for_peers`` (:class:`MembershipProtocol`).  ``transport``,
+    ``membership`` and ``address`` are set by :meth:`start`.
+    """
 
     def __init__(
         self,
@@ -61,35 +74,43 @@ class Node(NodeMembership):
         self.peer_id = peer_id
         self.clock: Clock = clock or MonotonicClock()
         self._listen = listen
-        self._secret = secret
-        self._bootstrap = [a for a in dict.fromkeys(bootstrap)]
         self._faults = faults
         self._network = network
         self._advertise_host = advertise_host
         self.address = ""
         self.transport: Transport | None = None
-        self.codec = WireCodec(secret, config, peer_id, clock=self.clock)
         self.membership: Membership | None = None
-        self._subscribers: dict[int, PacketCallback] = {}
-        self._pending: dict[int, tuple[str, asyncio.Future[None]]] = {}
-        self._next_rid = 1
-        self._seen_requests: collections.OrderedDict[tuple[str, int, int], None] = (
-            collections.OrderedDict()
-        )
+        self.codec = WireCodec(secret, config, peer_id, clock=self.clock)
+        self.io = io = PacketIO(peer_id, self.clock, self.codec)
+        self.reliable = reliable = Reliable(io, config)
+        self.members = members = MembershipProtocol(io, config, bootstrap)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._closed = False
-        self.unhandled: collections.Counter[int] = collections.Counter()
-        #: small int fields every heartbeat carries (e.g. an engine's next round), so
-        #: peers that just joined or restarted learn where the others are.
-        self.beacon: dict[str, Any] = {}
-        self._heartbeat_listeners: list[PacketCallback] = []
+        #: accepted packets nobody subscribed to, by kind
+        self.unhandled = io.unhandled
+        #: small int fields every heartbeat carries (e.g. an engine's next round)
+        self.beacon = members.beacon
         #: heartbeats that failed or beacon values withheld, by reason (see stats())
-        self.heartbeat_errors: collections.Counter[str] = collections.Counter()
+        self.heartbeat_errors = members.heartbeat_errors
+        # the parts' methods, bound once: no forwarding call on the per-packet path
+        self.send = io.send
+        self.send_many = io.send_many
+        self.send_frames = io.send_frames
+        self.encode_for = io.encode_for
+        self.send_to_address = io.send_to_address
+        self.subscribe = io.subscribe
+        self.unsubscribe = io.unsubscribe
+        self._on_frames = io.on_frames
+        self.send_reliable = reliable.send_reliable
+        self.alive_peers = members.alive_peers
+        self.on_membership = members.on_membership
+        self.on_heartbeat = members.on_heartbeat
+        self.wait_for_peers = members.wait_for_peers
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> str:
         """Bind the transport, start heartbeats and bootstrap; return our address."""
-        self.transport = create_transport(
+        io = self.io
+        self.transport = io.transport = create_transport(
             self._listen,
             self.config,
             clock=self.clock,
@@ -97,19 +118,12 @@ class Node(NodeMembership):
             network=self._network,
             advertise_host=self._advertise_host,
         )
-        self.address = await self.transport.start(self._on_frames)
-        self._bootstrap = [a for a in self._bootstrap if a != self.address]
-        self.membership = Membership(self.peer_id, self.address, self.config.failure_timeout_s)
-        self.membership.on_change(self._redial_the_dead)
-        self.subscribe(NodeKind.HELLO, self._on_hello)
-        self.subscribe(NodeKind.HELLO_ACK, self._on_view)
-        self.subscribe(NodeKind.HEARTBEAT, self._on_view)
-        self.subscribe(NodeKind.LEAVE, self._on_leave)
-        self.subscribe(NodeKind.ACK, self._on_ack)
-        self.spawn(self._heartbeat_loop(), "heartbeat")
+        self.address = io.address = await self.transport.start(io.on_frames)
+        self.membership = self.members.start()
+        self.spawn(self.members.heartbeat_loop(), "heartbeat")
         return self.address
 
-    def spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Start a background task owned by the node (cancelled on close)."""
         task = asyncio.get_running_loop().create_task(coro, name=f"{self.peer_id}:{name}")
         self._tasks.add(task)
@@ -123,9 +137,18 @@ class Node(NodeMembership):
                 "peer %s: task %s failed", self.peer_id, task.get_name(), exc_info=task.exception()
             )
 
+    async def _wait_future(self, fut: asyncio.Future[Any], timeout_s: float) -> None:
+        """Wait for ``fut`` at most ``timeout_s`` on the node's clock (see
+        :func:`gossipnet.runtime.reliable.wait_future`).
+
+        Raises:
+            TimeoutError: ``fut`` is not done at the deadline.
+        """
+        await wait_future(self.clock, fut, timeout_s)
+
     async def close(self, *, announce: bool = True) -> None:
         """Announce departure (bounded), stop tasks, close sockets; idempotent."""
-        if self._closed:
+        if self.io.closed:
             return
         if announce and self.membership is not None and self.transport is not None:
             others = [p for p in self.membership.alive() if p != self.peer_id]
@@ -134,28 +157,26 @@ class Node(NodeMembership):
                 *(self.send_reliable(p, NodeKind.LEAVE, timeout_s=timeout) for p in others),
                 return_exceptions=True,
             )
-        self._closed = True
+        self.io.closed = True
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        for _, fut in self._pending.values():
-            if not fut.done():
-                fut.cancel()
-        self._pending.clear()
+        self.reliable.cancel_all()
         if self.transport is not None:
             await self.transport.close()
 
     @property
     def bootstrap(self) -> list[str]:
         """Bootstrap addresses other than our own."""
-        return list(self._bootstrap)
+        return list(self.members.bootstrap)
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self.io.closed
 
     def stats(self) -> dict[str, Any]:
+        """Transport, fault, wire and heartbeat counters (a snapshot)."""
         out: dict[str, Any] = {"peer_id": self.peer_id, "address": self.address, "pid": os.getpid()}
         if self.transport is not None:
             out["transport"] = self.transport.stats.as_dict()

@@ -243,7 +243,7 @@ def test_a_manifest_from_another_peer_than_asked_is_dropped(
             a, b, m = nodes
             data = os.urandom(20 * CHUNK)
             StateSync(a).publish(data)
-            serve = a._subscribers[StateKind.REQ]
+            serve = a.io.subscribers[StateKind.REQ]
             first = [True]
 
             def gate(pkt: Any) -> None:

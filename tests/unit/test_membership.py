@@ -490,7 +490,7 @@ def test_send_reliable_ignores_acks_from_the_wrong_peer(
             await b.close(announce=False)
             task = asyncio.ensure_future(a.send_reliable("p1", TEST_KIND, timeout_s=0.5))
             await drive(clock, _idle())
-            rid = a._next_rid - 1
+            rid = a.reliable.next_rid - 1
             c.send("p0", NodeKind.ACK, {"ak": rid})  # with a's request id, from c
             assert await drive(clock, task) is False
 

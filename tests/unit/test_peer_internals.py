@@ -15,6 +15,7 @@ from gossipnet import _collective
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
 from gossipnet.runtime import join as _join
+from gossipnet.runtime.flatbuffer import FlatCache
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def test_stage_zeroes_nonfinite_and_writes_back() -> None:
         torch.tensor([1.0, float("nan")]),
         torch.tensor([[float("inf")]], dtype=torch.float64),
     ]
-    cache = _collective.FlatCache()
+    cache = FlatCache()
     flat = cache.get(tensors)
     assert cache.get(tensors) is flat
     staged = _collective.stage(flat, tensors)

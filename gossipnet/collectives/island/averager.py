@@ -38,27 +38,45 @@ import hashlib
 import logging
 import threading
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
 from gossipnet.collectives.chunks import FlatBuffer, all_finite
 from gossipnet.collectives.island.proto import DONE_EXCLUDED, DONE_OK, IslandControl, IslandInfo
 from gossipnet.collectives.island.share import SharedBuckets, host_id, load_handles, open_handles
+from gossipnet.collectives.lossy.engine import LossyAllReduce
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.node import Node
 
 if TYPE_CHECKING:
     from gossipnet.collectives.blink.topology import GpuTopology
     from gossipnet.collectives.island.hierarchical import IslandAverager
-    from gossipnet.peer import Peer
 
-__all__ = ("IslandAverage", "island_label", "plan_islands")
+__all__ = ("IslandAverage", "IslandHost", "island_label", "plan_islands")
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 READY_SHARE = 0.25  # of the timeout, for the leader to wait for its members' READY
+
+
+class IslandHost(Protocol):
+    """What the island path needs from the peer it runs for: a blocking call into
+    the peer's loop thread and the peer's lossy all-reduce engine.
+
+    Why a Protocol: this layer sits under the facade and must not import
+    :class:`gossipnet.Peer`; the facade hands in an adapter over its runtime.
+    """
+
+    @property
+    def lossy(self) -> LossyAllReduce:
+        """The peer's all-reduce engine (its rounds are the island's rounds)."""
+        ...
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run ``coro`` on the peer's loop thread and wait (see ``Runtime.call``)."""
+        ...
 
 
 def island_label(topology: GpuTopology | None, device: int | None, cuda: bool) -> int:
@@ -103,6 +121,7 @@ class IslandAverage:
     (buffers, averagers) on the caller's thread, one call at a time (a lock)."""
 
     def __init__(self, node: Node) -> None:
+        self._node = node
         self.control = IslandControl(node)
         self._lock = threading.Lock()
         self._calls = 0
@@ -114,7 +133,7 @@ class IslandAverage:
 
     def average(
         self,
-        peer: Peer,
+        host: IslandHost,
         tensors: Sequence[torch.Tensor],
         timeout: float | None = None,
         *,
@@ -125,19 +144,19 @@ class IslandAverage:
         if not tensors:
             raise ValueError("island_average needs at least one tensor")
         with self._lock:
-            return self._average(peer, tensors, timeout, topology, device)
+            return self._average(host, tensors, timeout, topology, device)
 
     def _average(
         self,
-        peer: Peer,
+        host: IslandHost,
         tensors: Sequence[torch.Tensor],
         timeout: float | None,
         topology: GpuTopology | None,
         device: int | None,
     ) -> CollectiveReport:
-        cfg = peer.config
+        cfg, me = self._node.config, self._node.peer_id
         t_s = cfg.collective_timeout_s if timeout is None else timeout
-        clock = peer.node.clock
+        clock = self._node.clock
         t0 = clock.now()
         key = _layout_key(tensors)
         flat = self._flats.get(key)
@@ -159,17 +178,17 @@ class IslandAverage:
         r = self._calls
         self._calls += 1
         ctl = self.control
-        table = self._call(peer, ctl.discover(info, min(cfg.control_timeout_s, t_s / 4)))
+        table = host.call(ctl.discover(info, min(cfg.control_timeout_s, t_s / 4)))
         islands = plan_islands(table)
         leaders = tuple(sorted(isl[0] for isl in islands))
-        mine = next(isl for isl in islands if peer.peer_id in isl)
-        if mine[0] != peer.peer_id:
-            return self._member(peer, flat, tensors, buckets, key, mine, r, t0, t_s)
+        mine = next(isl for isl in islands if me in isl)
+        if mine[0] != me:
+            return self._member(host, flat, tensors, buckets, key, mine, r, t0, t_s)
         members = mine[1:]
         got: dict[str, int] = {}
         if members:
             deadline = t0 + READY_SHARE * t_s
-            got = self._call(peer, ctl.collect(members, key, deadline), t_s + 30)
+            got = host.call(ctl.collect(members, key, deadline), t_s + 30)
         remote, done = self._open(got, key, flat)
         devs = tuple([info.device] + [table[m].device for m in remote])
         averager = self._averager(devs, topology, cuda) if remote else None
@@ -179,7 +198,7 @@ class IslandAverage:
             _sync(buckets)
         weight = float(1 + len(remote))
         left = max(0.1, t_s - (clock.now() - t0))
-        report = self._global(peer, buckets, weight, left, leaders)
+        report = self._global(host, buckets, weight, left, leaders)
         if averager is not None:
             for b, mine_b in enumerate(buckets):
                 averager.spread([mine_b] + [remote[m][b] for m in remote])
@@ -189,7 +208,7 @@ class IslandAverage:
             "gs": report.chunks_stale, "gt": report.chunks_total, "to": int(report.timed_out),
         }  # fmt: skip
         done.update({m: {"r": got[m], **summary} for m in remote})
-        self._call(peer, ctl.release_acked(done, cfg.control_timeout_s))
+        host.call(ctl.release_acked(done, cfg.control_timeout_s))
         flat.unflatten_into(tensors)
         report.method = "island"
         report.extra.update(island_size=float(len(mine)), island_leader=1.0, island_weight=weight)
@@ -238,7 +257,7 @@ class IslandAverage:
 
     def _global(
         self,
-        peer: Peer,
+        host: IslandHost,
         buckets: list[torch.Tensor],
         weight: float,
         timeout_s: float,
@@ -247,13 +266,13 @@ class IslandAverage:
         """The lossy all-reduce among the island leaders (CPU copies of CUDA buckets)."""
         nonfinite = not all(all_finite(b) for b in buckets)
         if nonfinite:
-            log.warning("peer %s: non-finite island mean; weight 0 this round", peer.peer_id)
+            log.warning("peer %s: non-finite island mean; weight 0 this round", self._node.peer_id)
             for b in buckets:
                 torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
             weight = 0.0
         cpu = [b if b.device.type == "cpu" else b.cpu() for b in buckets]
-        coro = peer._engine().run(cpu, weight=weight, timeout_s=timeout_s, participants=leaders)
-        report = self._call(peer, coro, timeout_s + 30)
+        coro = host.lossy.run(cpu, weight=weight, timeout_s=timeout_s, participants=leaders)
+        report = host.call(coro, timeout_s + 30)
         for b, c in zip(buckets, cpu, strict=True):
             if b is not c:
                 b.copy_(c)
@@ -264,7 +283,7 @@ class IslandAverage:
     # ------------------------------------------------------------------ member
     def _member(
         self,
-        peer: Peer,
+        host: IslandHost,
         flat: FlatBuffer,
         tensors: Sequence[torch.Tensor],
         buckets: list[torch.Tensor],
@@ -274,8 +293,9 @@ class IslandAverage:
         t0: float,
         t_s: float,
     ) -> CollectiveReport:
-        cfg, clock, leader = peer.config, peer.node.clock, island[0]
-        self._call(peer, _advance(peer))
+        cfg, clock, leader = self._node.config, self._node.clock, island[0]
+        me = self._node.peer_id
+        host.call(_advance(host.lossy))
         shared = self._shared.get(key)
         if shared is None:
             layout = [(b.numel(), b.dtype) for b in flat.buckets]
@@ -283,7 +303,7 @@ class IslandAverage:
         fields: dict[str, Any] | None = None
         if (leader, key) not in self._shared_with:
             share = self.control.share(leader, key, shared.handles(), cfg.control_timeout_s)
-            if self._call(peer, share):
+            if host.call(share):
                 self._shared_with.add((leader, key))
         if (leader, key) in self._shared_with:
             for s, b in zip(shared.buckets, buckets, strict=True):
@@ -291,14 +311,14 @@ class IslandAverage:
             _sync(shared.buckets)
             deadline = t0 + t_s + cfg.control_timeout_s
             wait = self.control.member_round(leader, key, r, deadline)
-            fields = self._call(peer, wait, t_s + cfg.control_timeout_s + 30)
+            fields = host.call(wait, t_s + cfg.control_timeout_s + 30)
         ok = fields is not None and fields.get("st") == DONE_OK
         if ok:
             for s, b in zip(shared.buckets, buckets, strict=True):
                 b.copy_(s)
             flat.unflatten_into(tensors)
             assert fields is not None
-            self._call(peer, _advance(peer, int(fields.get("gr", -1)) + 1))
+            host.call(_advance(host.lossy, int(fields.get("gr", -1)) + 1))
         else:  # our own values stay; the next call re-discovers the island
             self._shared_with.discard((leader, key))
         got = fields or {}
@@ -306,7 +326,7 @@ class IslandAverage:
             round=int(got.get("gr", -1)),
             method="island",
             participants=island,
-            contributors=(leader, peer.peer_id) if ok else (peer.peer_id,),
+            contributors=(leader, me) if ok else (me,),
             missing=() if ok else (leader,),
             chunks_total=int(got.get("gt", 0)),
             chunks_stale=int(got.get("gs", 0)),
@@ -321,12 +341,8 @@ class IslandAverage:
             },
         )
 
-    @staticmethod
-    def _call(peer: Peer, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        return peer._call(coro, timeout_s)
 
-
-async def _advance(peer: Peer, at_least: int = -1) -> None:
+async def _advance(engine: LossyAllReduce, at_least: int = -1) -> None:
     """Consume one round of the all-reduce engine without sending (a member's call),
     or move it to ``at_least`` (the round after its leader's).
 
@@ -335,7 +351,6 @@ async def _advance(peer: Peer, at_least: int = -1) -> None:
     reading another member's r + 1) would push a leader that has not started round r
     past it.  A member catches up from its leader's DONE instead.
     """
-    engine = peer._engine()
     if at_least < 0:
         engine.next_round += 1
     else:

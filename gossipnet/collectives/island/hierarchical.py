@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -34,10 +34,26 @@ from gossipnet.collectives.blink.topology import GpuTopology
 from gossipnet.collectives.chunks import FlatBuffer
 
 if TYPE_CHECKING:
-    from gossipnet.peer import Peer
     from gossipnet.reports import CollectiveReport
 
-__all__ = ("IslandAverager", "island_all_reduce", "islands_for")
+__all__ = ("AllReducer", "IslandAverager", "island_all_reduce", "islands_for")
+
+
+class AllReducer(Protocol):
+    """The cross-peer step: :meth:`gossipnet.Peer.all_reduce` satisfies it.
+
+    Why a Protocol: this layer sits under the facade and must not import ``Peer``.
+    """
+
+    def all_reduce(
+        self,
+        tensors: Sequence[torch.Tensor],
+        timeout: float | None = None,
+        *,
+        weight: float = 1.0,
+    ) -> CollectiveReport:
+        """Average ``tensors`` in place across the peers, each weighted by ``weight``."""
+        ...
 
 
 def islands_for(
@@ -156,7 +172,7 @@ class IslandAverager:
     def average(
         self,
         replicas: Sequence[Sequence[torch.Tensor]],
-        peer: Peer | None = None,
+        peer: AllReducer | None = None,
         timeout: float | None = None,
     ) -> CollectiveReport | None:
         """Average ``replicas`` in place: locally, then across peers when ``peer`` is
@@ -196,7 +212,7 @@ def _averager(gpus: tuple[int, ...]) -> IslandAverager:
 
 
 def island_all_reduce(
-    peer: Peer, replicas: Sequence[Sequence[torch.Tensor]], timeout: float | None = None
+    peer: AllReducer, replicas: Sequence[Sequence[torch.Tensor]], timeout: float | None = None
 ) -> CollectiveReport:
     """Average per-GPU replicas across this machine (Blink) and the peers (lossy).
 
