@@ -59,6 +59,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gossipnet.collectives.lossy.options import RoundOptions
 from gossipnet.collectives.moshpit.engine import GroupEngine, merge_reports
 from gossipnet.collectives.moshpit.grid import Grid, choose_grid, leader_rank, plan_round
 from gossipnet.collectives.moshpit.kinds import MoshpitKind
@@ -237,9 +238,8 @@ class MoshpitAverager(Matchmaking):
             rep = CollectiveReport(round=t, participants=(me,), contributors=(me,), extra=extra)
         else:
             timeout = cfg.round_timeout_s or node.config.collective_timeout_s
-            rep = await self.engine.run_at(
-                t, buckets, participants=members, weight=weight, timeout_s=timeout
-            )
+            opts = RoundOptions(participants=members, weight=weight, timeout_s=timeout)
+            rep = await self.engine.run_at(t, buckets, opts)
             rep.extra.update(extra)
         rep.method = "moshpit"
         rep.elapsed_s = clock.now() - t0
