@@ -1,7 +1,7 @@
 """The all-gather half of a round: broadcast our averaged shard, keep stale on loss.
 
 Split from :mod:`gossipnet.collectives.lossy.engine`, which drives the round (the
-reduce-scatter is :mod:`._scatter`); this module holds what the second phase
+reduce-scatter is :mod:`.scatter`); this module holds what the second phase
 does.  Each owner writes the values to broadcast for its shard (the averages,
 or what ``on_reduced`` made of them, e.g. stepped parameters) into its own
 ``dst``, then sends every owned chunk to every other participant: one encoding
@@ -13,7 +13,7 @@ it (``chunks_stale``).  Why stale, never zero, and never waited for: a peer's
 own value keeps the drift between replicas bounded (Weintraub et al. 2025),
 while a retransmission would make every round as slow as its worst link.
 Resyncs, which must leave every peer identical, re-request lost chunks
-(:mod:`._repair`), answered from the bytes kept in ``Round.broadcast``.
+(:mod:`.repair`), answered from the bytes kept in ``Round.broadcast``.
 """
 
 from __future__ import annotations

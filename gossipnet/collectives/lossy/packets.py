@@ -1,9 +1,9 @@
 """Per-packet pieces both phases of an all-reduce round share.
 
 Split from :mod:`gossipnet.collectives.lossy.engine` so that the engine, the
-reduce-scatter (:mod:`._scatter`) and the all-gather (:mod:`.broadcast`) use
+reduce-scatter (:mod:`.scatter`) and the all-gather (:mod:`.gather`) use
 one copy of them without importing each other: the packet kinds an engine
-owns (:class:`EngineKinds`, re-exported by ``allreduce``), the redundant
+owns (:class:`EngineKinds`, re-exported by :mod:`.engine`), the redundant
 copies that trail a phase's data packets on the send side, and the check that
 an incoming data packet fits our round's layout on the receive side.  The
 last two run once per packet, so they stay plain functions over the round's

@@ -1,6 +1,6 @@
 """NACK repair of a round's all-gather: re-request lost chunks from their owners.
 
-Only resyncs use it (``LossyAllReduce.run(repair=True)``): a resync must leave
+Only resyncs use it (``RoundOptions(repair=True)``): a resync must leave
 every peer identical, so a lost broadcast chunk is asked for again, as a plain
 lossy packet, until it arrives or the round's deadline passes.  Ordinary rounds
 never wait on a retransmission; they keep stale values (or send redundant

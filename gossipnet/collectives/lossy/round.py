@@ -1,10 +1,11 @@
-"""State of one all-reduce round on one peer: phases, accumulators, the report.
+"""State of one all-reduce round on one peer: phases, reducers, the report.
 
 Split from :mod:`gossipnet.collectives.lossy.engine` so the protocol modules (the
-engine there, the phases in :mod:`._scatter` and :mod:`.broadcast`) hold what is
+engine there, the phases in :mod:`.scatter` and :mod:`.gather`) hold what is
 sent when and what a packet does, and this one the bookkeeping they update:
-per-phase END accounting, per-chunk weights and counts, which all-gather chunks
-arrived, and the :class:`CollectiveReport` built from them.
+per-phase END accounting, the reduce-scatter's reducers (:mod:`.reducer`, the
+arithmetic alone), which all-gather chunks arrived, and the
+:class:`CollectiveReport` built from them.
 """
 
 from __future__ import annotations
@@ -165,11 +166,11 @@ class Round:
             for b, cb in zip(self.src, chunk_bytes, strict=True)
         ]
         self.maps = [ShardMap(plan, participants) for plan in self.plans]
-        # what every data packet carries so that no other layout is mixed in (._round_id)
+        # what every data packet carries so that no other layout is mixed in (.round_id)
         self.layout, self.layout_desc = layout_of(self.plans)
         self.ident = {"r": r, "m": mode, "L": self.layout}  # opens every packet's fields
         # members heard only in other rounds (latest id), and members whose packets
-        # carried another layout (their fingerprint): see ._round_id.alignment
+        # carried another layout (their fingerprint): see .round_id.alignment
         self.elsewhere: dict[str, int] = {}
         self.layout_conflicts: dict[str, int] = {}
         self.owned = [m.chunks_of(me) for m in self.maps]
@@ -178,7 +179,11 @@ class Round:
         # the reduce-scatter's sums, one per bucket (.reducer: the arithmetic alone)
         self.reducers = [self._reducer(b, weight, in_place) for b in range(len(self.src))]
         self.got = [torch.zeros(p.nchunks, dtype=torch.bool) for p in self.plans]
-        others = {p for p in participants if p != me}
+        self._start_phases(redundancy)
+
+    def _start_phases(self, redundancy: int) -> None:
+        """Both phases' END bookkeeping and the round's counters, all at zero."""
+        others = {p for p in self.participants if p != self.me}
         owns_any = any(len(o) for o in self.owned)
         self.rs = Phase(expected=set(others) if owns_any else set())
         self.ag = Phase(expected={p for p in others if any(len(m.chunks_of(p)) for m in self.maps)})
@@ -193,14 +198,14 @@ class Round:
         self.rs_sent_to: collections.Counter[str] = collections.Counter()
         self.redundancy = redundancy
         self.copies_sent = 0
-        # XOR parity (._parity): our group size this round (0 = none), the payloads of
+        # XOR parity (.parity): our group size this round (0 = none), the payloads of
         # streams that announce parity (kept to recover a group's one lost member)
         self.fec_k = 0
         self.fec_held: dict[tuple[str, int, int], memoryview] = {}
         self.parity_sent = 0
         self.recovered = 0
         # per bucket, the mean step of each chunk that arrived (NaN: not measured);
-        # only while an optimizer estimates missed steps (._stale_step)
+        # only while an optimizer estimates missed steps (.stale_step)
         self.step_mag: list[torch.Tensor] | None = None
         # what a sender that shares our view sends us; receiving all of it completes
         # that sender even if all its END copies were lost
