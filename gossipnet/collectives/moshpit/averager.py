@@ -197,6 +197,21 @@ class MoshpitAverager(Matchmaking):
         return self.next_round
 
     # ------------------------------------------------------------------ one round
+    def _group(self, view: list[str], grid: Grid, t: int, sweep: int) -> list[str]:
+        """Our group of round ``t``, in leader order (the same on every member)."""
+        seed = self.node.config.run
+        return sorted(
+            plan_round(view, t, seed=seed, grid=grid, start=sweep).group_of(self.node.peer_id),
+            key=lambda p: leader_rank(seed, t, p),
+        )
+
+    def _forget_before(self, t: int) -> None:
+        """Drop early packets and replies of rounds before ``t``."""
+        for stale in [r for r in self._early if r < t]:
+            del self._early[stale]
+        for key in [k for k in self._replies if k[0] < t]:
+            del self._replies[key]
+
     async def _round(
         self, t: int, sweep: int, buckets: list[torch.Tensor], weight: float, cfg: MoshpitConfig
     ) -> CollectiveReport:
@@ -204,17 +219,10 @@ class MoshpitAverager(Matchmaking):
         t0 = clock.now()
         view = self.view(t, cfg)
         grid = self.grid_for(len(view), cfg)
-        seed = node.config.run
-        ranked = sorted(
-            plan_round(view, t, seed=seed, grid=grid, start=sweep).group_of(me),
-            key=lambda p: leader_rank(seed, t, p),
-        )
+        ranked = self._group(view, grid, t, sweep)
         j = ranked.index(me)
         node.beacon["mpt"] = t
-        for stale in [r for r in self._early if r < t]:
-            del self._early[stale]
-        for key in [k for k in self._replies if k[0] < t]:
-            del self._replies[key]
+        self._forget_before(t)
         self._cfg = cfg
         self._cur = _Current(t, ranked[0], pending=self._early.pop(t, []))
         cap = max(grid.side, len(ranked))
