@@ -176,8 +176,8 @@ def gpu_timing(numel: int, iters: int) -> dict[str, Any] | None:
     if n < 2:
         print(f"GPU timing skipped: {n} CUDA device(s), needs >= 2")
         return None
+    from gossipnet.collectives.blink.detect import detect
     from gossipnet.collectives.blink.executor import CudaExecutor
-    from gossipnet.collectives.blink.topology import detect
 
     topo = detect()
     gpus = tuple(range(n))

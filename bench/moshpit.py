@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _common import SPAWN, bench_parser, emit_json, free_ports, run_workers
 
 from gossipnet import Config
-from gossipnet.collectives.lossy.engine import ALLREDUCE_KINDS
+from gossipnet.collectives.lossy.engine import ALLREDUCE_KINDS, RoundOptions
 from gossipnet.collectives.moshpit.averager import MoshpitAverager, MoshpitConfig
 from gossipnet.collectives.moshpit.engine import GroupEngine
 from gossipnet.collectives.moshpit.grid import Grid, plan_round
@@ -135,13 +135,18 @@ async def converge(
                 partner |= {b: a for a, b in partner.items()}
                 runs = [
                     engines[i].run_at(
-                        r, [xs[i]], participants=[names[i], names[partner[i]]], timeout_s=bound_s
+                        r,
+                        [xs[i]],
+                        RoundOptions(participants=[names[i], names[partner[i]]], timeout_s=bound_s),
                     )
                     for i in up
                 ]
             else:  # everyone alive is a participant; the skipping ones are waited for
                 runs = [
-                    engines[i].run_at(r, [xs[i]], participants=names, timeout_s=bound_s) for i in up
+                    engines[i].run_at(
+                        r, [xs[i]], RoundOptions(participants=names, timeout_s=bound_s)
+                    )
+                    for i in up
                 ]
             await asyncio.gather(*runs)
             elapsed += time.perf_counter() - t0

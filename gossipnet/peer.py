@@ -25,7 +25,7 @@ import torch
 from gossipnet._collective import moshpit_bound_s, moshpit_config, stage
 from gossipnet._core import ENGINES, Engines, IslandHost
 from gossipnet.clock import Clock
-from gossipnet.collectives.lossy.engine import LossyAllReduce
+from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.collectives.route.averager import RouteTime
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
@@ -251,7 +251,7 @@ class Peer:
     async def _all_reduce(
         self, buckets: list[torch.Tensor], weight: float, timeout_s: float
     ) -> CollectiveReport:
-        return await self._engine().run(buckets, weight=weight, timeout_s=timeout_s)
+        return await self._engine().run(buckets, RoundOptions(weight=weight, timeout_s=timeout_s))
 
     def _engine(self) -> LossyAllReduce:
         return self._allreduce

@@ -9,15 +9,36 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from gossipnet.testbed._proc import HostProcess, PyTask
 from gossipnet.testbed._sys import netns_exec, run
 
-if TYPE_CHECKING:
-    from gossipnet.testbed._net import Testbed
+__all__ = ("Host", "HostOwner", "Leftovers")
 
-__all__ = ("Host", "Leftovers")
+
+class HostOwner(Protocol):
+    """What a :class:`Host` needs from the testbed that made it.
+
+    Why a Protocol: :class:`~gossipnet.testbed._net.Testbed` builds hosts, so a host
+    naming that class would import it back (an import circle); the host only needs
+    where logs go, the environment its children get, and somewhere to register
+    processes that teardown must kill.
+    """
+
+    @property
+    def run_dir(self) -> Path:
+        """Directory for the children's logs."""
+        ...
+
+    def child_env(self, host: Host, extra: Mapping[str, str]) -> dict[str, str]:
+        """The environment of a process started in ``host``, with ``extra`` on top."""
+        ...
+
+    def track(self, proc: HostProcess) -> None:
+        """Remember ``proc`` so that teardown kills it if still running."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,9 +55,9 @@ class Leftovers:
 
 @dataclass(slots=True, eq=False)
 class Host:
-    """One host of a :class:`Testbed`: a namespace with ``eth0`` at :attr:`ip`."""
+    """One host of a testbed: a namespace with ``eth0`` at :attr:`ip`."""
 
-    testbed: Testbed = field(repr=False)
+    testbed: HostOwner = field(repr=False)
     index: int
     name: str
     ns: str

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 import torch
 
+from gossipnet.collectives.lossy.options import RoundOptions
 from gossipnet.training.autotau import AutoTau, FixedTau, TauPolicy
 from gossipnet.training.dropcompute import Normalise, contribution, should_cut
 
@@ -328,7 +329,7 @@ def gather_rows(
     t = peer.config.collective_timeout_s if timeout_s is None else timeout_s
     engine = peer._engine()
     peer._call(
-        engine.run([buf], weight=1.0, timeout_s=t, participants=parts, mode=MODE_TIMINGS), t + 30
+        engine.run([buf], RoundOptions(timeout_s=t, participants=parts, mode=MODE_TIMINGS)), t + 30
     )
     flat = buf.double().numpy()
     marks = flat[mark_idx]

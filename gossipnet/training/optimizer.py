@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gossipnet.collectives.chunks import FlatBuffer, all_finite
-from gossipnet.collectives.lossy.engine import LossyAllReduce, OwnedShard
+from gossipnet.collectives.lossy.engine import LossyAllReduce, OwnedShard, RoundOptions
 from gossipnet.collectives.lossy.round_id import (
     EXPLICIT_RESYNC,
     GRADIENTS,
@@ -280,11 +280,13 @@ class GossipOptimizer:
         """Average the parameters with repair, then announce their digest."""
         report = await self._engine().run(
             [p.clone() for p in params],
-            dst=params,
-            timeout_s=self.timeout,
-            mode=MODE_RESYNC,
-            repair=True,
-            round_id=round_id,
+            RoundOptions(
+                dst=params,
+                timeout_s=self.timeout,
+                mode=MODE_RESYNC,
+                repair=True,
+                round_id=round_id,
+            ),
         )
         report.method = "resync"
         self.last_resync = report
@@ -320,14 +322,16 @@ class GossipOptimizer:
 
         report = await engine.run(
             grads,
-            dst=params,
-            weight=weight,
-            timeout_s=self.timeout,
-            on_reduced=on_reduced,
-            mode=MODE_GRADS,
-            stale_step=self._stale_step,
-            parity_group=self.peer.config.parity_for(optimizer=True),
-            round_id=self._rid(step, GRADIENTS),
+            RoundOptions(
+                dst=params,
+                weight=weight,
+                timeout_s=self.timeout,
+                on_reduced=on_reduced,
+                mode=MODE_GRADS,
+                stale_step=self._stale_step,
+                parity_group=self.peer.config.parity_for(optimizer=True),
+                round_id=self._rid(step, GRADIENTS),
+            ),
         )
         self._last_align = engine.alignment()
         return report

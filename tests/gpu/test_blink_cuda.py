@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gossipnet.collectives.blink import packing as P
+from gossipnet.collectives.blink.detect import detect
 from gossipnet.collectives.blink.executor import CpuExecutor, CudaExecutor
-from gossipnet.collectives.blink.topology import detect
 from gossipnet.collectives.island.hierarchical import IslandAverager
 
 pytestmark = pytest.mark.timeout(120)

@@ -22,7 +22,7 @@ import torch
 from gossipnet import CollectiveReport, Config, FakeClock, FaultPlan
 from gossipnet.clock import Clock
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
-from gossipnet.collectives.lossy.engine import END_COPIES, LossyAllReduce, OwnedShard
+from gossipnet.collectives.lossy.engine import END_COPIES, LossyAllReduce, OwnedShard, RoundOptions
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.runtime.node import Node
@@ -63,7 +63,7 @@ async def allreduce(
     weights = weights or [1.0] * len(engines)
     hooks = hooks or [None] * len(engines)
     runs = [
-        e.run(list(x), weight=w, timeout_s=timeout_s, on_reduced=h)
+        e.run(list(x), RoundOptions(weight=w, timeout_s=timeout_s, on_reduced=h))
         for e, x, w, h in zip(engines, inputs, weights, hooks, strict=True)
     ]
     return list(await drive(clock, asyncio.gather(*runs), timeout_s=timeout_s + 5))
@@ -599,7 +599,7 @@ def test_a_peer_killed_mid_round_costs_its_shard_then_drops_out(
             mean4 = torch.stack([b.double() for b in before]).mean(0)
             t0 = clock.now()
             tasks = [
-                asyncio.ensure_future(e.run(x, timeout_s=timeout_s))
+                asyncio.ensure_future(e.run(x, RoundOptions(timeout_s=timeout_s)))
                 for e, x in zip(engines, inputs, strict=True)
             ]
             await asyncio.sleep(0)  # every round started and sent its reduce-scatter
@@ -799,14 +799,14 @@ def test_bad_arguments_raise(run_async: Callable[..., Any], cluster: Any, cfg: C
             x = torch.zeros(8)
             for weight in (-1.0, float("nan")):
                 with pytest.raises(ValueError, match="weight"):
-                    await engine.run([x], weight=weight)
+                    await engine.run([x], RoundOptions(weight=weight))
             with pytest.raises(ValueError, match="1-D"):
                 await engine.run([torch.zeros(2, 2)])
             with pytest.raises(ValueError, match="wire"):
                 await engine.run([torch.zeros(4, dtype=torch.complex64)])
             # a lone peer's round is its own values
             y = torch.arange(8.0)
-            rep = await engine.run([y], timeout_s=1.0)
+            rep = await engine.run([y], RoundOptions(timeout_s=1.0))
             assert torch.equal(y, torch.arange(8.0))
             assert rep.participants == ("p0",)
             assert rep.ok
@@ -950,7 +950,7 @@ def test_separate_dst_and_repaired_rounds_never_average_inside_the_input(
             outs = [torch.zeros(NUMEL) for _ in range(N)]
             mean = torch.stack(kept).mean(0)
             runs = [
-                e.run([x], dst=[o], timeout_s=2.0)
+                e.run([x], RoundOptions(dst=[o], timeout_s=2.0))
                 for e, x, o in zip(engines, inputs, outs, strict=True)
             ]
             await drive(clock, asyncio.gather(*runs), timeout_s=7)
@@ -959,7 +959,8 @@ def test_separate_dst_and_repaired_rounds_never_average_inside_the_input(
                 torch.testing.assert_close(o, mean, rtol=1e-6, atol=1e-6)
             assert sum(k[1] == "acc" for k in engines[0]._pool._slots) == 1
             runs = [
-                e.run([x], timeout_s=2.0, repair=True) for e, x in zip(engines, inputs, strict=True)
+                e.run([x], RoundOptions(timeout_s=2.0, repair=True))
+                for e, x in zip(engines, inputs, strict=True)
             ]
             await drive(clock, asyncio.gather(*runs), timeout_s=7)
             for x in inputs:

@@ -19,7 +19,7 @@ import torch
 from gossipnet import CollectiveReport, Config, ConfigError, FakeClock, FaultPlan
 from gossipnet.clock import Clock
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
-from gossipnet.collectives.lossy.engine import LossyAllReduce
+from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.parity import group_count, members, parities, recover
 from gossipnet.collectives.lossy.round_id import layout_of
@@ -41,7 +41,7 @@ def cfg(fast_config: Config) -> Config:
 async def allreduce(
     drive: Any, clock: Clock, engines: Sequence[LossyAllReduce], inputs: Sequence[torch.Tensor]
 ) -> list[CollectiveReport]:
-    runs = [e.run([x], timeout_s=1.0) for e, x in zip(engines, inputs, strict=True)]
+    runs = [e.run([x], RoundOptions(timeout_s=1.0)) for e, x in zip(engines, inputs, strict=True)]
     return list(await drive(clock, asyncio.gather(*runs), timeout_s=6.0))
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from gossipnet.collectives.blink import _detect, _nvml
+from gossipnet.collectives.blink.detect import detect
 from gossipnet.collectives.blink.topology import (
     DEFAULT_LINK_GBPS,
     GpuTopology,
-    detect,
     parse_nvlink_status,
     parse_topo_matrix,
 )

@@ -121,7 +121,7 @@ def test_a_replica_outvoted_after_a_resync_repairs_itself(monkeypatch: Any) -> N
 
             async def run(*args: Any, **kwargs: Any) -> Any:
                 rep = await orig(*args, **kwargs)
-                kwargs["dst"][0][:100] += 1.0
+                args[1].dst[0][:100] += 1.0  # run(src, RoundOptions(dst=params, ...))
                 corrupted.append(round_id)
                 return rep
 

@@ -1,4 +1,4 @@
-"""Detection sources behind :func:`gossipnet.collectives.blink.topology.detect`.
+"""Detection sources behind :func:`gossipnet.collectives.blink.detect.detect`.
 
 Why a separate module: probing (torch.cuda, NVML, a subprocess) is kept apart from the
 pure topology model and parsers, and is imported only when ``detect()`` runs.

@@ -158,7 +158,7 @@ def scan(nvml: Any) -> NvmlScan:
 
     Raises:
         Whatever ``nvml`` raises from ``nvmlInit``/``nvmlDeviceGetCount``; per-link and
-        per-pair errors are skipped. :func:`topology.detect` catches and logs.
+        per-pair errors are skipped. :func:`.detect.detect` catches and logs.
     """
     nvml.nvmlInit()
     try:

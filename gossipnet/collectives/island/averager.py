@@ -46,6 +46,7 @@ from gossipnet.collectives.chunks import FlatBuffer, all_finite
 from gossipnet.collectives.island.proto import DONE_EXCLUDED, DONE_OK, IslandControl, IslandInfo
 from gossipnet.collectives.island.share import SharedBuckets, host_id, load_handles, open_handles
 from gossipnet.collectives.lossy.engine import LossyAllReduce
+from gossipnet.collectives.lossy.options import RoundOptions
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.node import Node
 
@@ -271,7 +272,8 @@ class IslandAverage:
                 torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
             weight = 0.0
         cpu = [b if b.device.type == "cpu" else b.cpu() for b in buckets]
-        coro = host.lossy.run(cpu, weight=weight, timeout_s=timeout_s, participants=leaders)
+        opts = RoundOptions(weight=weight, timeout_s=timeout_s, participants=leaders)
+        coro = host.lossy.run(cpu, opts)
         report = host.call(coro, timeout_s + 30)
         for b, c in zip(buckets, cpu, strict=True):
             if b is not c:

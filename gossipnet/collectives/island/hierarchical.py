@@ -80,7 +80,7 @@ def islands_for(
 def _detected() -> GpuTopology | None:
     if not torch.cuda.is_available():
         return None
-    from gossipnet.collectives.blink.topology import detect
+    from gossipnet.collectives.blink.detect import detect
 
     return detect()
 

@@ -1,7 +1,7 @@
 """When a phase of an all-reduce round ends: END markers, or per-sender cut times.
 
 Split from :mod:`gossipnet.collectives.lossy.engine` because both phases (the
-reduce-scatter and the all-gather of :mod:`.broadcast`) end the same way and
+reduce-scatter and the all-gather of :mod:`.gather`) end the same way and
 the policy is subtle enough to read on its own: a phase ends the moment every
 expected sender is complete (all its data, or its END marker, arrived); a
 sender that is not is cut at a time learned from recent phases, or shortly

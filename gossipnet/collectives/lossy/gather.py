@@ -1,7 +1,7 @@
 """The all-gather half of a round: broadcast our averaged shard, keep stale on loss.
 
 Split from :mod:`gossipnet.collectives.lossy.engine`, which drives the round (the
-reduce-scatter is :mod:`._scatter`); this module holds what the second phase
+reduce-scatter is :mod:`.scatter`); this module holds what the second phase
 does.  Each owner writes the values to broadcast for its shard (the averages,
 or what ``on_reduced`` made of them, e.g. stepped parameters) into its own
 ``dst``, then sends every owned chunk to every other participant: one encoding
@@ -13,18 +13,18 @@ it (``chunks_stale``).  Why stale, never zero, and never waited for: a peer's
 own value keeps the drift between replicas bounded (Weintraub et al. 2025),
 while a retransmission would make every round as slow as its worst link.
 Resyncs, which must leave every peer identical, re-request lost chunks
-(:mod:`._repair`), answered from the bytes kept in ``Round.broadcast``.
+(:mod:`.repair`), answered from the bytes kept in ``Round.broadcast``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from typing import TYPE_CHECKING
 
 import torch
 
 from gossipnet.collectives.chunks import as_bytes
+from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.cut import wait_phase
 from gossipnet.collectives.lossy.packets import (
     COPY_LAG,
@@ -35,18 +35,16 @@ from gossipnet.collectives.lossy.packets import (
     send_copy,
 )
 from gossipnet.collectives.lossy.parity import on_parity, send_parity
-from gossipnet.collectives.lossy.round import OwnedShard, Round
+from gossipnet.collectives.lossy.reducer import OwnedShard
+from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.transport.wire import DTYPE_CODES, Packet
-
-if TYPE_CHECKING:
-    from gossipnet.collectives.lossy.engine import LossyAllReduce
 
 __all__ = ("all_gather", "announce_ag_end", "on_ag", "send_ag")
 
 
 async def all_gather(
-    engine: LossyAllReduce,
+    ctx: PhaseContext,
     rnd: Round,
     shards: list[OwnedShard],
     values: list[torch.Tensor],
@@ -57,15 +55,15 @@ async def all_gather(
     Returns False when the phase was cut (lost ENDs, a silent or dead owner) or
     ``deadline`` passed; the chunks still missing then keep their stale values.
     """
-    rnd.ag.start = engine.node.clock.now()
-    await send_ag(engine, rnd, shards, values)
+    rnd.ag.start = ctx.node.clock.now()
+    await send_ag(ctx, rnd, shards, values)
     return await wait_phase(
-        engine.node,
+        ctx.node,
         rnd.ag,
-        engine._spans["ag"],
+        ctx.spans("ag"),
         deadline,
         rnd.ag_expected,
-        lambda: announce_ag_end(engine, rnd),
+        lambda: announce_ag_end(ctx, rnd),
     )
 
 
@@ -100,15 +98,15 @@ def _broadcast_bytes(rnd: Round, shard: OwnedShard, value: torch.Tensor) -> memo
 
 
 async def send_ag(
-    engine: LossyAllReduce, rnd: Round, shards: list[OwnedShard], values: list[torch.Tensor]
+    ctx: PhaseContext, rnd: Round, shards: list[OwnedShard], values: list[torch.Tensor]
 ) -> None:
     """Send each owned chunk that has an average to every other participant, then ENDs.
 
     A chunk no weighted contribution arrived for is not sent: no average exists
     to share, and the receivers keep their own values for it.
     """
-    node = engine.node
-    kind = engine.k.ag_data
+    node = ctx.node
+    kind = ctx.k.ag_data
     others = [p for p in rnd.participants if p != rnd.me]
     sent = 0
     copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
@@ -147,33 +145,33 @@ async def send_ag(
         # parity over the whole range, so only where every chunk of it was sent
         if rnd.fec_k and bool((shard.weights > 0).all()) and len(owned):
             fields = dict(rnd.ident)
-            rnd.sent += send_parity(engine, rnd, kind, others, b, owned, raw, fields)
+            rnd.sent += send_parity(ctx, rnd, kind, others, b, owned, raw, fields)
     await send_copies(node, rnd, copies)
-    ends = engine._end_copies(rnd)
+    ends = ctx.end_copies(rnd)
     if not ends and rnd.ag_chunks_sent < rnd.expect_rs:  # expect_rs: the chunks we own
         ends = 1  # chunks withheld (no weight arrived): receivers need the count
-    announce_ag_end(engine, rnd, ends)
+    announce_ag_end(ctx, rnd, ends)
 
 
-def announce_ag_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
+def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
     """END of our all-gather to every other participant (one encoding for all)."""
     if copies < 1:  # a quiet network: no END at all, so none to encode (and sign)
         return
-    node = engine.node
+    node = ctx.node
     others = [p for p in rnd.participants if p != rnd.me]
     if not others:
         return
     end = {
         **rnd.ident,
         "n": rnd.ag_chunks_sent,
-        "l": int(engine.loss.recent),
+        "l": int(ctx.loss.recent),
     }
-    frames = node.encode_for(others, engine.k.ag_end, end)
+    frames = node.encode_for(others, ctx.k.ag_end, end)
     for _ in range(copies):
         node.send_frames(others, frames)
 
 
-def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
+def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     """Write one broadcast chunk into ``dst`` and mark it arrived (not stale).
 
     A parity packet (``"g"`` in its fields) may rebuild one lost chunk.
@@ -182,34 +180,34 @@ def on_ag(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
     overtaken = src in rnd.ag.ended  # by its sender's END: learn by how much
     if "g" in pkt.fields:
         if overtaken:
-            engine.note_after_end(rnd, pkt)
+            ctx.note_after_end(rnd, pkt)
         on_parity(
-            engine,
+            ctx,
             rnd,
             pkt,
             lambda b: rnd.maps[b].chunks_of(src),
             lambda b, c: bool(rnd.got[b][c]),
             lambda b, c: as_bytes(rnd.plans[b].view(rnd.dst[b], c)),  # as it arrived
-            lambda b, c, values: _accept_ag(engine, rnd, src, b, c, values),
+            lambda b, c, values: _accept_ag(ctx, rnd, src, b, c, values),
         )
         return
-    got = chunk_of(rnd, pkt, engine.dropped)
+    got = chunk_of(rnd, pkt, ctx.dropped)
     if got is None:
         return
     b, c, values = got
     if c in rnd.owned[b]:
-        engine.dropped["not_owner"] += 1
+        ctx.dropped["not_owner"] += 1
         return
     if bool(rnd.got[b][c]):
-        engine.dropped["duplicate"] += 1
+        ctx.dropped["duplicate"] += 1
         return
     if overtaken:
-        engine.note_after_end(rnd, pkt)
-    _accept_ag(engine, rnd, src, b, c, values)
+        ctx.note_after_end(rnd, pkt)
+    _accept_ag(ctx, rnd, src, b, c, values)
 
 
 def _accept_ag(
-    engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor
+    ctx: PhaseContext, rnd: Round, src: str, b: int, c: int, values: torch.Tensor
 ) -> None:
     """Write one chunk (arrived or rebuilt from parity) into ``dst``."""
     if rnd.step_mag is not None:
@@ -218,9 +216,9 @@ def _accept_ag(
     rnd.got[b][c] = True
     ag = rnd.ag
     ag.received[src] += 1
-    ag.arrived(src, engine.node.clock.now())
+    ag.arrived(src, ctx.node.clock.now())
     if src not in ag.done and (
         ag.received[src] >= rnd.ag_expected(src)
         or (src in ag.hold and not ag.held_back(src, ag.declared[src]))
     ):
-        engine._spans["ag"].append(ag.finish(src, engine.node.clock.now()))
+        ctx.spans("ag").append(ag.finish(src, ctx.node.clock.now()))

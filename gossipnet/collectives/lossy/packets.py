@@ -1,9 +1,9 @@
 """Per-packet pieces both phases of an all-reduce round share.
 
 Split from :mod:`gossipnet.collectives.lossy.engine` so that the engine, the
-reduce-scatter (:mod:`._scatter`) and the all-gather (:mod:`.broadcast`) use
+reduce-scatter (:mod:`.scatter`) and the all-gather (:mod:`.gather`) use
 one copy of them without importing each other: the packet kinds an engine
-owns (:class:`EngineKinds`, re-exported by ``allreduce``), the redundant
+owns (:class:`EngineKinds`, re-exported by :mod:`.engine`), the redundant
 copies that trail a phase's data packets on the send side, and the check that
 an incoming data packet fits our round's layout on the receive side.  The
 last two run once per packet, so they stay plain functions over the round's
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gossipnet.collectives.chunks import all_finite, from_bytes
+from gossipnet.collectives.chunks import all_finite, auto_chunk_bytes, from_bytes
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.runtime.node import Node
@@ -34,6 +34,7 @@ __all__ = (
     "EngineKinds",
     "Send",
     "chunk_of",
+    "chunk_sizes",
     "send_copies",
     "send_copy",
 )
@@ -105,9 +106,12 @@ async def send_copies(node: Node, rnd: Round, sends: collections.deque[Send] | N
 
 
 def chunk_of(
-    rnd: Round, pkt: Packet, dropped: collections.Counter[str]
+    rnd: Round, pkt: Packet, dropped: collections.Counter[str], *, finite: bool = True
 ) -> tuple[int, int, torch.Tensor] | None:
     """Validate (bucket, chunk, dtype, count) against our plan; None = drop.
+
+    ``finite``: also drop non-finite values (False where the receiver checks them
+    itself: the reduce-scatter's reducer, after its cheaper duplicate check).
 
     Returns:
         ``(bucket, chunk, values)``, ``values`` a zero-copy view of the payload;
@@ -127,7 +131,22 @@ def chunk_of(
         dropped["layout_mismatch"] += 1
         return None
     values = from_bytes(pkt.payload, dtype, count)
-    if not all_finite(values):
+    if finite and not all_finite(values):
         dropped["non_finite"] += 1
         return None
     return b, c, values
+
+
+def chunk_sizes(node: Node, src: Sequence[torch.Tensor], participants: int) -> list[int]:
+    """Chunk bytes per bucket: ``Config.chunk_bytes`` if set, else grown with the
+    bucket, never past ``Config.max_payload_bytes`` (a receiver would drop it)."""
+    fixed = node.config.chunk_bytes
+    transport = node.transport
+    limit = node.config.max_payload_bytes
+    base = transport.default_chunk_bytes if transport is not None else 64 * 1024
+    base = min(base, limit)
+    cap = min(getattr(transport, "max_chunk_bytes", base), limit)
+    return [
+        fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
+        for b in src
+    ]

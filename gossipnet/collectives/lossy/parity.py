@@ -44,7 +44,7 @@ from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import Packet
 
 if TYPE_CHECKING:
-    from gossipnet.collectives.lossy.engine import LossyAllReduce
+    from gossipnet.collectives.lossy.context import PhaseContext
     from gossipnet.collectives.lossy.round import Round
 
 __all__ = (
@@ -146,7 +146,7 @@ def recover(parity: Buffer, survivors: Sequence[Buffer], length: int) -> memoryv
 
 # ---------------------------------------------------------------- on the wire
 def send_parity(
-    engine: LossyAllReduce,
+    ctx: PhaseContext,
     rnd: Round,
     kind: int,
     dests: Sequence[str],
@@ -161,7 +161,7 @@ def send_parity(
     ``fields`` are the stream's data fields (round, mode, dtype, weight); each
     parity adds its group ``g``, the group size ``gs`` and its byte length ``n``.
     """
-    node, k = engine.node, rnd.fec_k
+    node, k = ctx.node, rnd.fec_k
     if not group_count(len(chunks), k):
         return 0  # a stream shorter than one group: no parity (the module's layout)
     plan = rnd.plans[b]
@@ -180,7 +180,7 @@ def send_parity(
 
 
 def on_parity(
-    engine: LossyAllReduce,
+    ctx: PhaseContext,
     rnd: Round,
     pkt: Packet,
     stream: Callable[[int], range],
@@ -199,18 +199,18 @@ def on_parity(
     f = pkt.fields
     b, k, g = f.get("b"), f.get("gs"), f.get("g")
     if not (isinstance(b, int) and 0 <= b < len(rnd.plans)):
-        engine.dropped["bad_parity"] += 1
+        ctx.dropped["bad_parity"] += 1
         return
     plan, chunks = rnd.plans[b], stream(b)
     n = len(chunks)
     if not (isinstance(k, int) and 1 <= k <= MAX_GROUP and isinstance(g, int) and n):
-        engine.dropped["bad_parity"] += 1
+        ctx.dropped["bad_parity"] += 1
         return
     last = plan.chunk(chunks.stop - 1)[1] * plan.itemsize
     if not 0 <= g < group_count(n, k) or len(pkt.payload) != group_length(
         n, g, plan.chunk_elems * plan.itemsize, last
     ):
-        engine.dropped["bad_parity"] += 1
+        ctx.dropped["bad_parity"] += 1
         return
     group = members(chunks.start, n, k, g)
     lost = [c for c in group if not have(b, c)]
@@ -227,7 +227,7 @@ def on_parity(
         count,
     )
     if not all_finite(values):
-        engine.dropped["non_finite"] += 1
+        ctx.dropped["non_finite"] += 1
         return
     for m in group:
         rnd.fec_held.pop((pkt.src, b, m), None)

@@ -1,6 +1,6 @@
 """NACK repair of a round's all-gather: re-request lost chunks from their owners.
 
-Only resyncs use it (``LossyAllReduce.run(repair=True)``): a resync must leave
+Only resyncs use it (``RoundOptions(repair=True)``): a resync must leave
 every peer identical, so a lost broadcast chunk is asked for again, as a plain
 lossy packet, until it arrives or the round's deadline passes.  Ordinary rounds
 never wait on a retransmission; they keep stale values (or send redundant
@@ -10,16 +10,13 @@ copies up front, ``Config.redundancy``).
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
 
 import torch
 
 from gossipnet.collectives.chunks import as_bytes, from_bytes
+from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.transport.wire import DTYPE_CODES, Packet
-
-if TYPE_CHECKING:
-    from gossipnet.collectives.lossy.engine import LossyAllReduce
 
 __all__ = ("missing_chunks", "repair", "serve_repair")
 
@@ -27,19 +24,19 @@ __all__ = ("missing_chunks", "repair", "serve_repair")
 REPAIR_BATCH = 4096
 
 
-async def repair(engine: LossyAllReduce, rnd: Round, deadline: float) -> bool:
+async def repair(ctx: PhaseContext, rnd: Round, deadline: float) -> bool:
     """Re-request missing all-gather chunks from their owners; True when none is left.
 
     Requests are plain lossy packets (a lost request is simply sent again next
     pass); owners answer from the round's kept broadcast, also after they moved on.
     """
-    clock = engine.node.clock
-    spans = engine._spans["ag"]
+    clock = ctx.node.clock
+    spans = ctx.spans("ag")
     interval = max(
-        engine.node.config.phase_min_wait_s, 2 * statistics.median(spans) if spans else 0.05
+        ctx.node.config.phase_min_wait_s, 2 * statistics.median(spans) if spans else 0.05
     )
     while True:
-        missing = missing_chunks(engine, rnd)
+        missing = missing_chunks(ctx, rnd)
         if not missing:  # nothing left that a live owner could still send
             return all(
                 bool(rnd.got[b][: o.start].all()) and bool(rnd.got[b][o.stop :].all())
@@ -50,16 +47,16 @@ async def repair(engine: LossyAllReduce, rnd: Round, deadline: float) -> bool:
         for (owner, b), chunks in missing.items():
             for i in range(0, len(chunks), REPAIR_BATCH):
                 part = torch.tensor(chunks[i : i + REPAIR_BATCH], dtype=torch.int32)
-                engine.node.send(
+                ctx.node.send(
                     owner,
-                    engine.k.repair,
+                    ctx.k.repair,
                     {"r": rnd.r, "b": b, "dt": "i32", "n": part.numel()},
                     as_bytes(part),
                 )
         await clock.sleep(min(interval, max(0.0, deadline - clock.now())))
 
 
-def missing_chunks(engine: LossyAllReduce, rnd: Round) -> dict[tuple[str, int], list[int]]:
+def missing_chunks(ctx: PhaseContext, rnd: Round) -> dict[tuple[str, int], list[int]]:
     """(owner, bucket) -> chunk indices whose all-gather never arrived."""
     out: dict[tuple[str, int], list[int]] = {}
     for b, smap in enumerate(rnd.maps):
@@ -68,15 +65,15 @@ def missing_chunks(engine: LossyAllReduce, rnd: Round) -> dict[tuple[str, int], 
         mask[owned.start : owned.stop] = True
         for c in torch.nonzero(~mask).flatten().tolist():
             owner = smap.owner(c)
-            if engine.node.membership is not None and engine.node.membership.is_alive(owner):
+            if ctx.node.membership is not None and ctx.node.membership.is_alive(owner):
                 out.setdefault((owner, b), []).append(c)
     return out
 
 
-def serve_repair(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
+def serve_repair(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     b = pkt.fields.get("b")
     if not isinstance(b, int) or not 0 <= b < len(rnd.broadcast) or pkt.fields.get("dt") != "i32":
-        engine.dropped["bad_repair"] += 1
+        ctx.dropped["bad_repair"] += 1
         return
     chunks = from_bytes(pkt.payload, torch.int32, len(pkt.payload) // 4).tolist()
     plan, owned = rnd.plans[b], rnd.owned[b]
@@ -95,7 +92,5 @@ def serve_repair(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
             "dt": code,
             "n": count,
         }
-        if engine.node.send(
-            pkt.src, engine.k.ag_data, fields, raw[span.start - base : span.stop - base]
-        ):
+        if ctx.node.send(pkt.src, ctx.k.ag_data, fields, raw[span.start - base : span.stop - base]):
             rnd.sent += 1

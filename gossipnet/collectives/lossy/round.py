@@ -1,27 +1,29 @@
-"""State of one all-reduce round on one peer: phases, accumulators, the report.
+"""State of one all-reduce round on one peer: phases, reducers, the report.
 
 Split from :mod:`gossipnet.collectives.lossy.engine` so the protocol modules (the
-engine there, the phases in :mod:`._scatter` and :mod:`.broadcast`) hold what is
+engine there, the phases in :mod:`.scatter` and :mod:`.gather`) hold what is
 sent when and what a packet does, and this one the bookkeeping they update:
-per-phase END accounting, per-chunk weights and counts, which all-gather chunks
-arrived, and the :class:`CollectiveReport` built from them.
+per-phase END accounting, the reduce-scatter's reducers (:mod:`.reducer`, the
+arithmetic alone), which all-gather chunks arrived, and the
+:class:`CollectiveReport` built from them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
+from gossipnet.collectives.lossy.reducer import ShardReducer
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.reports import CollectiveReport
 from gossipnet.transport.wire import Packet
 
-__all__ = ("BufferPool", "OwnedShard", "Phase", "Round")
+__all__ = ("BufferPool", "Phase", "Round")
 
 
 class BufferPool:
@@ -55,17 +57,6 @@ class BufferPool:
             t = torch.empty(numel, dtype=dtype)
             self._slots[key] = t
         return t
-
-
-@dataclass(slots=True)
-class OwnedShard:
-    """This peer's shard of one bucket after the reduce-scatter."""
-
-    bucket: int
-    start: int  # element offset in the bucket
-    average: torch.Tensor  # averaged values (float32/float64), length = shard size
-    weights: torch.Tensor  # per owned chunk: sum of weights that arrived
-    contributors: torch.Tensor  # per owned chunk: number of contributions that arrived
 
 
 @dataclass
@@ -110,6 +101,29 @@ class Phase:
         """Whether ``src``'s END is waiting for data it declared that has not come."""
         return src in self.hold and self.received[src] < declared
 
+    def end(
+        self, src: str, declared: int | None, now: float, reorder_wait: Callable[[], float]
+    ) -> float | None:
+        """``src``'s END arrived, declaring ``declared`` packets; its span if complete.
+
+        Not complete while data it declares is missing and ``reorder_wait()``
+        (a learned window, :class:`.cut.ReorderWindow`) says that data may still
+        come: the sender is held until then.  None also for a repeated END.
+        """
+        if declared is not None:
+            self.declared[src] = declared
+        if src in self.done or src in self.hold:
+            return None
+        self.ended.setdefault(src, now)
+        if declared is not None and self.received[src] < declared:
+            wait = reorder_wait()  # data it closes may be overtaken
+            if wait > 0:
+                self.arrived(src, now)
+                self.hold[src] = now + wait
+                self.wake.set()
+                return None
+        return self.finish(src, now)
+
     def finish(self, src: str, now: float) -> float:
         """``src`` is complete; return its span per packet (first arrival to END / count).
 
@@ -152,45 +166,24 @@ class Round:
             for b, cb in zip(self.src, chunk_bytes, strict=True)
         ]
         self.maps = [ShardMap(plan, participants) for plan in self.plans]
-        # what every data packet carries so that no other layout is mixed in (._round_id)
+        # what every data packet carries so that no other layout is mixed in (.round_id)
         self.layout, self.layout_desc = layout_of(self.plans)
         self.ident = {"r": r, "m": mode, "L": self.layout}  # opens every packet's fields
         # members heard only in other rounds (latest id), and members whose packets
-        # carried another layout (their fingerprint): see ._round_id.alignment
+        # carried another layout (their fingerprint): see .round_id.alignment
         self.elsewhere: dict[str, int] = {}
         self.layout_conflicts: dict[str, int] = {}
         self.owned = [m.chunks_of(me) for m in self.maps]
         self.pool = pool or BufferPool()
         self.parity = self.pool.next_round()
-        self.acc: list[torch.Tensor] = []
-        self.wsum: list[torch.Tensor] = []
-        self.count: list[torch.Tensor] = []
-        for b, buf in enumerate(self.src):
-            span = self.maps[b].owned_range(me)
-            acc_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
-            own = buf.narrow(0, span.start, len(span))
-            if (
-                in_place
-                and weight > 0
-                and acc_dtype == buf.dtype
-                and buf.data_ptr() == (self.dst[b].data_ptr())
-            ):
-                # ``dst`` is ``src`` and no one reads our own shard of it before the
-                # average lands there: accumulate in place, no copy in or out
-                # (weight > 0: a chunk with no weight would need the values back)
-                acc = own
-            else:
-                acc = self.pool.get(self.parity, "acc", b, len(span), acc_dtype)
-                acc.copy_(own)
-            if weight != 1.0:
-                acc.mul_(weight)
-            self.acc.append(acc)
-            n_owned = len(self.owned[b])
-            self.wsum.append(torch.full((n_owned,), float(weight), dtype=torch.float64))
-            self.count.append(torch.ones(n_owned, dtype=torch.int32))
-        self.seen: set[tuple[str, int, int]] = set()
+        # the reduce-scatter's sums, one per bucket (.reducer: the arithmetic alone)
+        self.reducers = [self._reducer(b, weight, in_place) for b in range(len(self.src))]
         self.got = [torch.zeros(p.nchunks, dtype=torch.bool) for p in self.plans]
-        others = {p for p in participants if p != me}
+        self._start_phases(redundancy)
+
+    def _start_phases(self, redundancy: int) -> None:
+        """Both phases' END bookkeeping and the round's counters, all at zero."""
+        others = {p for p in self.participants if p != self.me}
         owns_any = any(len(o) for o in self.owned)
         self.rs = Phase(expected=set(others) if owns_any else set())
         self.ag = Phase(expected={p for p in others if any(len(m.chunks_of(p)) for m in self.maps)})
@@ -205,18 +198,39 @@ class Round:
         self.rs_sent_to: collections.Counter[str] = collections.Counter()
         self.redundancy = redundancy
         self.copies_sent = 0
-        # XOR parity (._parity): our group size this round (0 = none), the payloads of
+        # XOR parity (.parity): our group size this round (0 = none), the payloads of
         # streams that announce parity (kept to recover a group's one lost member)
         self.fec_k = 0
         self.fec_held: dict[tuple[str, int, int], memoryview] = {}
         self.parity_sent = 0
         self.recovered = 0
         # per bucket, the mean step of each chunk that arrived (NaN: not measured);
-        # only while an optimizer estimates missed steps (._stale_step)
+        # only while an optimizer estimates missed steps (.stale_step)
         self.step_mag: list[torch.Tensor] | None = None
         # what a sender that shares our view sends us; receiving all of it completes
         # that sender even if all its END copies were lost
         self.expect_rs = sum(len(o) for o in self.owned)
+
+    def _reducer(self, b: int, weight: float, in_place: bool) -> ShardReducer:
+        """Bucket ``b``'s reducer over our own values of our shard (in ``src`` or a pool copy)."""
+        buf = self.src[b]
+        span = self.maps[b].owned_range(self.me)
+        acc_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
+        own = buf.narrow(0, span.start, len(span))
+        if (
+            in_place
+            and weight > 0
+            and acc_dtype == buf.dtype
+            and buf.data_ptr() == (self.dst[b].data_ptr())
+        ):
+            # ``dst`` is ``src`` and no one reads our own shard of it before the
+            # average lands there: accumulate in place, no copy in or out
+            # (weight > 0: a chunk with no weight would need the values back)
+            acc = own
+        else:
+            acc = self.pool.get(self.parity, "acc", b, len(span), acc_dtype)
+            acc.copy_(own)
+        return ShardReducer(acc, self.owned[b], self.plans[b].chunk_elems, weight)
 
     def rs_expected(self, peer: str) -> int:
         """Reduce-scatter packets ``peer`` sends us if it shares our view."""

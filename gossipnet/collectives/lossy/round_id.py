@@ -25,24 +25,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TypeGuard
 
 from gossipnet.collectives.chunks import ChunkPlan
 from gossipnet.errors import LayoutMismatchError
 from gossipnet.transport.wire import DTYPE_CODES
-
-if TYPE_CHECKING:
-    from gossipnet.collectives.lossy.engine import LossyAllReduce
-    from gossipnet.collectives.lossy.round import Round
-    from gossipnet.transport.wire import Packet
 
 __all__ = (
     "MAX_ROUND",
     "MAX_MODE",
     "Alignment",
     "LayoutMismatchError",
-    "layout_conflict",
-    "layout_failure",
+    "layout_error",
     "layout_of",
     "optimizer_round",
     "step_of_round",
@@ -144,34 +138,3 @@ def layout_error(me: str, ours: str, theirs: dict[str, str]) -> LayoutMismatchEr
         " Every peer must pass the same tensors (same model, same dtypes, same order)"
         " to each collective; check the model definition and the order of parameters."
     )
-
-
-def layout_conflict(engine: LossyAllReduce, rnd: Round, pkt: Packet, layout: int) -> None:
-    """A member's packet for our round carries another layout: never mix it in;
-    stop waiting for that member, and raise once the round is over."""
-    engine.dropped["layout_mismatch"] += 1
-    if pkt.src in rnd.layout_conflicts:
-        return
-    rnd.layout_conflicts[pkt.src] = layout
-    for phase in (rnd.rs, rnd.ag):
-        phase.expected.discard(pkt.src)
-        phase.wake.set()
-
-
-async def layout_failure(engine: LossyAllReduce, rnd: Round) -> LayoutMismatchError:
-    """The error naming each conflicting peer's layout, once its heartbeat said it
-    (waiting at most two heartbeat intervals; else its fingerprint)."""
-    node = engine.node
-    deadline = node.clock.now() + 2 * node.config.heartbeat_interval_s
-
-    def theirs() -> dict[str, str]:
-        out = {}
-        for p, fp in rnd.layout_conflicts.items():
-            known = engine.peer_layouts.get(p)
-            out[p] = known[1] if known and known[0] == fp else ""
-        return out
-
-    while not all(theirs().values()) and node.clock.now() < deadline:
-        await node.clock.sleep(node.config.heartbeat_interval_s / 4)
-    named = {p: d or f"fingerprint {rnd.layout_conflicts[p]:#010x}" for p, d in theirs().items()}
-    return layout_error(node.peer_id, rnd.layout_desc, named)

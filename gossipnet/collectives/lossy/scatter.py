@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import TYPE_CHECKING
 
 import torch
 
 from gossipnet.collectives.chunks import as_bytes
+from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.packets import (
     COPY_LAG,
     YIELD_EVERY,
@@ -29,19 +29,17 @@ from gossipnet.collectives.lossy.packets import (
     send_copy,
 )
 from gossipnet.collectives.lossy.parity import group_count, on_parity, send_parity
-from gossipnet.collectives.lossy.round import OwnedShard, Round
+from gossipnet.collectives.lossy.reducer import OwnedShard
+from gossipnet.collectives.lossy.round import Round
 from gossipnet.transport.wire import DTYPE_CODES, Packet
-
-if TYPE_CHECKING:
-    from gossipnet.collectives.lossy.engine import LossyAllReduce
 
 __all__ = ("announce_rs_end", "finish_rs", "on_rs", "rs_order", "send_rs")
 
 
-async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
+async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
     """Send each chunk we do not own to its owner (and its copies), then our ENDs."""
-    node = engine.node
-    kind = engine.k.rs_data
+    node = ctx.node
+    kind = ctx.k.rs_data
     per_dest: collections.Counter[str] = collections.Counter()
     copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
     codes = [DTYPE_CODES[buf.dtype] for buf in rnd.src]
@@ -85,14 +83,14 @@ async def send_rs(engine: LossyAllReduce, rnd: Round, weight: float) -> None:
         if sent % YIELD_EVERY == 0:
             await asyncio.sleep(0)
     if rnd.fec_k:
-        await _send_rs_parity(engine, rnd, raws, codes, weight)
+        await _send_rs_parity(ctx, rnd, raws, codes, weight)
     await send_copies(node, rnd, copies)
     rnd.rs_sent_to = per_dest
-    announce_rs_end(engine, rnd, engine._end_copies(rnd))
+    announce_rs_end(ctx, rnd, ctx.end_copies(rnd))
 
 
 async def _send_rs_parity(
-    engine: LossyAllReduce, rnd: Round, raws: list[memoryview], codes: list[str], weight: float
+    ctx: PhaseContext, rnd: Round, raws: list[memoryview], codes: list[str], weight: float
 ) -> None:
     """Parity packets of every stream we sent: each owner's range of each bucket."""
     for b, smap in enumerate(rnd.maps):
@@ -103,12 +101,12 @@ async def _send_rs_parity(
                 continue
             span = slice(plan.byte_slice(chunks.start).start, plan.byte_slice(chunks.stop - 1).stop)
             fields = {**rnd.ident, "w": weight}
-            kind = engine.k.rs_data
-            rnd.sent += send_parity(engine, rnd, kind, (owner,), b, chunks, raws[b][span], fields)
+            kind = ctx.k.rs_data
+            rnd.sent += send_parity(ctx, rnd, kind, (owner,), b, chunks, raws[b][span], fields)
             await asyncio.sleep(0)
 
 
-def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None:
+def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
     """END of our reduce-scatter to each other participant: how many we sent it.
 
     ``copies`` are the same packet (one encoding): the first to arrive counts,
@@ -116,8 +114,8 @@ def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
     """
     if copies < 1:  # a quiet network: no END at all, so none to encode (and sign)
         return
-    node = engine.node
-    lossy = int(engine.loss.recent)
+    node = ctx.node
+    lossy = int(ctx.loss.recent)
     for peer in rnd.participants:
         if peer != rnd.me:
             end = {
@@ -125,7 +123,7 @@ def announce_rs_end(engine: LossyAllReduce, rnd: Round, copies: int = 1) -> None
                 "n": rnd.rs_sent_to[peer],
                 "l": lossy,
             }
-            frames = node.encode_for((peer,), engine.k.rs_end, end)
+            frames = node.encode_for((peer,), ctx.k.rs_end, end)
             for _ in range(copies):
                 node.send_frames((peer,), frames)
 
@@ -156,98 +154,80 @@ def rs_order(rnd: Round) -> list[tuple[str, int, int]]:
 
 
 def finish_rs(rnd: Round) -> list[OwnedShard]:
-    """Divide each owned chunk's weighted sum by the weights that arrived for it.
+    """Average every bucket's owned shard (:meth:`.reducer.ShardReducer.average`).
 
-    In place in the accumulators (one pass, no copy).  A chunk whose arrived
-    weights sum to 0 keeps our own values, never 0/0.
+    In place in the accumulators (one pass, no copy); later contributions are late.
     """
     shards = []
-    for b, plan in enumerate(rnd.plans):
+    for b, red in enumerate(rnd.reducers):
         span = rnd.maps[b].owned_range(rnd.me)
-        wsum = rnd.wsum[b]
-        acc = rnd.acc[b]
-        avg = acc
-        if len(span):
-            # one in-place pass: divide each chunk by the weight that arrived for it
-            safe = wsum.to(acc.dtype).clamp_min(1e-30)
-            n_full = len(span) // plan.chunk_elems
-            if n_full:
-                acc[: n_full * plan.chunk_elems].view(n_full, plan.chunk_elems).div_(
-                    safe[:n_full, None]
-                )
-            if len(span) > n_full * plan.chunk_elems:
-                acc[n_full * plan.chunk_elems :].div_(safe[n_full])
-            zero = wsum <= 0
-            if bool(zero.any()):  # no weight arrived: keep our own values, never 0/0
-                own = rnd.src[b].narrow(0, span.start, len(span))
-                for c in torch.nonzero(zero).flatten().tolist():
-                    lo = c * plan.chunk_elems
-                    hi = min(lo + plan.chunk_elems, len(span))
-                    acc[lo:hi].copy_(own[lo:hi])
-        shards.append(OwnedShard(b, span.start, avg, wsum, rnd.count[b]))
+        avg = red.average(rnd.src[b].narrow(0, span.start, len(span)))
+        shards.append(OwnedShard(b, span.start, avg, red.weights, red.contributors))
+    rnd.rs_closed = True
     return shards
 
 
-def on_rs(engine: LossyAllReduce, rnd: Round, pkt: Packet) -> None:
+def on_rs(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     """Add one contribution into our accumulator (weighted), once per (sender, chunk).
 
     A parity packet (``"g"`` in its fields) may rebuild one lost contribution.
     """
     w = pkt.fields.get("w", 1.0)
     if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
-        engine.dropped["bad_weight"] += 1
+        ctx.dropped["bad_weight"] += 1
         return
     if pkt.src in rnd.rs.ended:  # it was overtaken by its sender's END: learn by how much
-        engine.note_after_end(rnd, pkt)
+        ctx.note_after_end(rnd, pkt)
     if rnd.rs_closed:  # our averages are taken (and may be on the wire): too late
-        engine.dropped["late"] += 1
+        ctx.dropped["late"] += 1
         rnd.late += 1
         return
     src = pkt.src
     if "g" in pkt.fields:
         on_parity(
-            engine,
+            ctx,
             rnd,
             pkt,
             lambda b: rnd.owned[b],
-            lambda b, c: (src, b, c) in rnd.seen,
+            lambda b, c: rnd.reducers[b].has(src, c),
             lambda b, c: rnd.fec_held.get((src, b, c)),
-            lambda b, c, values: _accept_rs(engine, rnd, src, b, c, values, float(w)),
+            lambda b, c, values: _accept_rs(ctx, rnd, src, b, c, values, float(w), None),
         )
         return
-    got = chunk_of(rnd, pkt, engine.dropped)
+    got = chunk_of(rnd, pkt, ctx.dropped, finite=False)  # the reducer checks values
     if got is None:
         return
     b, c, values = got
-    if c not in rnd.owned[b]:
-        engine.dropped["not_owner"] += 1  # the sender's view differs from ours
-        return
-    if (src, b, c) in rnd.seen:
-        engine.dropped["duplicate"] += 1
-        return
-    if pkt.fields.get("x"):
-        rnd.fec_held[(src, b, c)] = pkt.payload
-    _accept_rs(engine, rnd, src, b, c, values, float(w))
+    keep = pkt.payload if pkt.fields.get("x") else None
+    _accept_rs(ctx, rnd, src, b, c, values, float(w), keep)
 
 
 def _accept_rs(
-    engine: LossyAllReduce, rnd: Round, src: str, b: int, c: int, values: torch.Tensor, w: float
+    ctx: PhaseContext,
+    rnd: Round,
+    src: str,
+    b: int,
+    c: int,
+    values: torch.Tensor,
+    w: float,
+    keep: memoryview | None,
 ) -> None:
-    """Count one contribution (arrived or rebuilt from parity) into our average."""
-    plan = rnd.plans[b]
-    rnd.seen.add((src, b, c))
-    _, count = plan.chunk(c)
-    i = c - rnd.owned[b].start  # our i-th owned chunk; the shard starts at a chunk boundary
-    lo = i * plan.chunk_elems
-    rnd.acc[b][lo : lo + count].add_(values, alpha=w)
-    rnd.wsum[b][i] += w
-    rnd.count[b][i] += 1
+    """Count one contribution (arrived, or rebuilt from parity) into our average.
+
+    ``keep``: its payload, kept to rebuild a lost member of its parity group.
+    """
+    refused = rnd.reducers[b].accumulate(src, c, values, w)
+    if refused is not None:  # not ours, a duplicate, non-finite: counted, never added
+        ctx.dropped[refused] += 1
+        return
+    if keep is not None:
+        rnd.fec_held[(src, b, c)] = keep
     rs = rnd.rs
     rs.received[src] += 1
-    now = engine.node.clock.now()
+    now = ctx.node.clock.now()
     rs.arrived(src, now)
     if src not in rs.done and (
         rs.received[src] >= rnd.expect_rs
         or (src in rs.hold and not rs.held_back(src, rs.declared[src]))
     ):
-        engine._spans["rs"].append(rs.finish(src, now))
+        ctx.spans("rs").append(rs.finish(src, now))

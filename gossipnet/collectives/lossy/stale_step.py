@@ -30,7 +30,7 @@ class StaleStep:
     """Per bucket and chunk, the size of the last broadcast step that arrived.
 
     One per lossy optimizer; the engine measures steps on the rounds it is
-    given to (``LossyAllReduce.run(stale_step=...)``) and calls :meth:`apply`
+    given to (``RoundOptions(stale_step=...)``) and calls :meth:`apply`
     at the end of each.
     """
 

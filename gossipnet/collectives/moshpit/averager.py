@@ -56,14 +56,15 @@ import asyncio
 import collections
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from gossipnet.collectives.lossy.options import RoundOptions
 from gossipnet.collectives.moshpit.engine import GroupEngine, merge_reports
 from gossipnet.collectives.moshpit.grid import Grid, choose_grid, leader_rank, plan_round
 from gossipnet.collectives.moshpit.kinds import MoshpitKind
 from gossipnet.collectives.moshpit.match import Matchmaking, _Current
+from gossipnet.collectives.moshpit.options import MoshpitConfig
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.node import Node
 from gossipnet.transport.wire import Packet
@@ -78,47 +79,6 @@ SWEEP_STRIDE = 64
 #: one less behind is planned in, and its groups' waits pull it back in step
 BEHIND_SWEEPS = 16
 _HISTORY = 64
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MoshpitConfig:
-    """Moshpit knobs (seconds in ``_s`` names).
-
-    max_group_size: largest group M; the grid is chosen from the live peer count.
-    min_fill: smallest acceptable grid fill (ALGORITHMS.md 2.3, 2.6).
-    grid: force ``(M, d)`` instead (tests, benches); more peers than M^d raises.
-    matchmaking_timeout_s: bound of group assembly in one round; also how much
-        compute skew between peers a round absorbs (hivemind: 5-15 s).
-    join_min_wait_s / join_wait_factor: a leader waits for missing members
-        ``max(min, factor x median join spread)`` after the first one joined.
-    ack_timeout_s: a leader whose node does not acknowledge a JOIN within this
-        long is presumed gone and the next-ranked member takes over.
-    reply_margin_s: time allowed for the member list to reach a member.
-    round_timeout_s: bound of a group's all-reduce (None: ``Config.collective_timeout_s``).
-    """
-
-    max_group_size: int = 32
-    min_fill: float = 0.75
-    grid: tuple[int, int] | None = None
-    matchmaking_timeout_s: float = 5.0
-    join_min_wait_s: float = 0.1
-    join_wait_factor: float = 3.0
-    reply_margin_s: float = 0.1
-    ack_timeout_s: float = 0.5
-    round_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_group_size < 2 or not 0 < self.min_fill <= 1:
-            raise ValueError("max_group_size must be >= 2 and min_fill in (0, 1]")
-        if self.grid is not None and (self.grid[0] < 1 or self.grid[1] < 1):
-            raise ValueError(f"grid must be (side >= 1, dims >= 1), got {self.grid}")
-        for name in ("matchmaking_timeout_s", "join_wait_factor", "ack_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"MoshpitConfig.{name} must be > 0")
-        if self.join_min_wait_s < 0 or self.reply_margin_s < 0:
-            raise ValueError("join_min_wait_s and reply_margin_s must be >= 0")
-        if self.round_timeout_s is not None and not self.round_timeout_s > 0:
-            raise ValueError("round_timeout_s must be > 0 or None")
 
 
 class MoshpitAverager(Matchmaking):
@@ -237,6 +197,21 @@ class MoshpitAverager(Matchmaking):
         return self.next_round
 
     # ------------------------------------------------------------------ one round
+    def _group(self, view: list[str], grid: Grid, t: int, sweep: int) -> list[str]:
+        """Our group of round ``t``, in leader order (the same on every member)."""
+        seed = self.node.config.run
+        return sorted(
+            plan_round(view, t, seed=seed, grid=grid, start=sweep).group_of(self.node.peer_id),
+            key=lambda p: leader_rank(seed, t, p),
+        )
+
+    def _forget_before(self, t: int) -> None:
+        """Drop early packets and replies of rounds before ``t``."""
+        for stale in [r for r in self._early if r < t]:
+            del self._early[stale]
+        for key in [k for k in self._replies if k[0] < t]:
+            del self._replies[key]
+
     async def _round(
         self, t: int, sweep: int, buckets: list[torch.Tensor], weight: float, cfg: MoshpitConfig
     ) -> CollectiveReport:
@@ -244,17 +219,10 @@ class MoshpitAverager(Matchmaking):
         t0 = clock.now()
         view = self.view(t, cfg)
         grid = self.grid_for(len(view), cfg)
-        seed = node.config.run
-        ranked = sorted(
-            plan_round(view, t, seed=seed, grid=grid, start=sweep).group_of(me),
-            key=lambda p: leader_rank(seed, t, p),
-        )
+        ranked = self._group(view, grid, t, sweep)
         j = ranked.index(me)
         node.beacon["mpt"] = t
-        for stale in [r for r in self._early if r < t]:
-            del self._early[stale]
-        for key in [k for k in self._replies if k[0] < t]:
-            del self._replies[key]
+        self._forget_before(t)
         self._cfg = cfg
         self._cur = _Current(t, ranked[0], pending=self._early.pop(t, []))
         cap = max(grid.side, len(ranked))
@@ -278,9 +246,8 @@ class MoshpitAverager(Matchmaking):
             rep = CollectiveReport(round=t, participants=(me,), contributors=(me,), extra=extra)
         else:
             timeout = cfg.round_timeout_s or node.config.collective_timeout_s
-            rep = await self.engine.run_at(
-                t, buckets, participants=members, weight=weight, timeout_s=timeout
-            )
+            opts = RoundOptions(participants=members, weight=weight, timeout_s=timeout)
+            rep = await self.engine.run_at(t, buckets, opts)
             rep.extra.update(extra)
         rep.method = "moshpit"
         rep.elapsed_s = clock.now() - t0

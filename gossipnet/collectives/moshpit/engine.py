@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import torch
 
-from gossipnet.collectives.lossy.engine import EngineKinds, LossyAllReduce
+from gossipnet.collectives.lossy.engine import EngineKinds, LossyAllReduce, RoundOptions
 from gossipnet.collectives.moshpit.kinds import MoshpitKind
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.node import Node
@@ -42,10 +42,13 @@ class GroupEngine(LossyAllReduce):
     def __init__(self, node: Node, *, tag: str = "mp", kinds: EngineKinds = MOSHPIT_KINDS) -> None:
         super().__init__(node, tag=tag, kinds=kinds)
 
-    async def run_at(self, r: int, buckets: list[torch.Tensor], **kw: Any) -> CollectiveReport:
+    async def run_at(
+        self, r: int, buckets: list[torch.Tensor], options: RoundOptions | None = None
+    ) -> CollectiveReport:
+        """Run round ``r`` exactly (see the class); ``options`` as for ``run``."""
         # No await between these writes and run() reading them: the round is exactly r.
         self.next_round, self.max_seen = r, -1
-        return await self.run(buckets, **kw)
+        return await self.run(buckets, options)
 
     def _dispatch(self, rnd: Any, pkt: Packet) -> None:
         if pkt.src not in rnd.participants:

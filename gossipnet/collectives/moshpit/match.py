@@ -21,10 +21,10 @@ import msgpack
 from gossipnet.collectives.moshpit.engine import members_of, wait_any
 from gossipnet.collectives.moshpit.grid import leader_rank
 from gossipnet.collectives.moshpit.kinds import MoshpitKind
+from gossipnet.collectives.moshpit.options import MoshpitConfig
 from gossipnet.transport.wire import Packet
 
 if TYPE_CHECKING:
-    from gossipnet.collectives.moshpit.averager import MoshpitConfig
     from gossipnet.runtime.node import Node
 
 __all__ = ("Matchmaking",)

@@ -1,0 +1,167 @@
+"""The reduce-scatter's arithmetic: weighted sums per owned chunk, no I/O.
+
+Why its own data structure: the averaging rule is the algorithm's whole claim
+(Weintraub et al. 2025, ALGORITHMS.md 1.1) and must be checkable without a
+network, a loop or a clock.  The protocol (:mod:`.scatter`) decides which packet
+is a contribution; this module only adds parts up, counts who contributed to
+each chunk, and divides.  The split follows hivemind's ``TensorPartReducer``
+(parts in, ``on_sender_failed``), here one object per owned shard of a bucket.
+
+The rule: chunk ``c`` of our shard averages, weighted by each sender's weight,
+the contributions that arrived for it, our own always among them::
+
+    avg[c] = (w_me * x_me[c] + sum_{j in R(c)} w_j * x_j[c]) / (w_me + sum_{j in R(c)} w_j)
+
+Dividing by the weight that arrived, not by everyone's, keeps the estimate
+unbiased when the delivered set ``R(c)`` does not depend on the values (random
+loss); dividing by N would be biased low by about ``(1 - p)``.  A chunk whose
+arrived weights sum to 0 keeps our own values (never 0/0).
+
+All work is per chunk, in vector operations over its elements.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gossipnet.collectives.chunks import all_finite
+
+__all__ = ("OwnedShard", "ShardReducer")
+
+
+@dataclass(slots=True)
+class OwnedShard:
+    """This peer's shard of one bucket after the reduce-scatter."""
+
+    bucket: int
+    start: int  # element offset in the bucket
+    average: torch.Tensor  # averaged values (float32/float64), length = shard size
+    weights: torch.Tensor  # per owned chunk: sum of weights that arrived
+    contributors: torch.Tensor  # per owned chunk: number of contributions that arrived
+
+
+class ShardReducer:
+    """Weighted sums of the chunks of one owned shard, and who added to each.
+
+    Why parts are refused rather than raised on: every refusal is a network event
+    (a duplicate copy, a packet after the cut, a corrupted value), which the
+    caller counts by the reason returned.
+
+    Args:
+        acc: our own values of the shard (its first chunk at offset 0); the sums
+            accumulate in it, in place (float32 or float64).
+        chunks: the bucket's chunk indices this shard holds.
+        chunk_elems: elements per full chunk (the last may be shorter).
+        weight: our own weight, >= 0; ``acc`` is scaled by it here.
+
+    Raises:
+        ValueError: ``weight`` negative or not finite, or ``acc`` shorter than ``chunks``.
+    """
+
+    __slots__ = (
+        "_failed",
+        "_seen",
+        "acc",
+        "chunk_elems",
+        "chunks",
+        "closed",
+        "contributors",
+        "weights",
+    )
+
+    def __init__(self, acc: torch.Tensor, chunks: range, chunk_elems: int, weight: float) -> None:
+        if not 0 <= weight < math.inf:
+            raise ValueError(f"weight must be a finite number >= 0, got {weight}")
+        if chunk_elems < 1 or acc.numel() <= (len(chunks) - 1) * chunk_elems:
+            raise ValueError(f"{acc.numel()} elements cannot hold {len(chunks)} chunks")
+        if weight != 1.0:
+            acc.mul_(weight)
+        self.acc = acc
+        self.chunks = chunks
+        self.chunk_elems = chunk_elems
+        n = len(chunks)
+        self.weights = torch.full((n,), float(weight), dtype=torch.float64)
+        self.contributors = torch.ones(n, dtype=torch.int32)  # us
+        self.closed = False  # averaged: later parts are late
+        self._seen: set[tuple[str, int]] = set()
+        self._failed: set[str] = set()
+
+    def has(self, sender: str, chunk: int) -> bool:
+        """Whether ``sender``'s part for ``chunk`` was accumulated."""
+        return (sender, chunk) in self._seen
+
+    def accumulate(
+        self, sender: str, chunk: int, values: torch.Tensor, weight: float, *, check: bool = True
+    ) -> str | None:
+        """Add ``weight * values`` into ``chunk``'s sum; None, or why it was refused.
+
+        Args:
+            sender: who sent the part; each sender counts once per chunk.
+            chunk: the bucket's chunk index.
+            values: the chunk's elements, as many as the chunk holds.
+            weight: the sender's weight, finite and >= 0.
+            check: refuse non-finite values (False: the caller checked them).
+
+        Returns:
+            None when added; else ``"late"`` (averaged already), ``"bad_weight"``,
+            ``"not_owner"`` (a chunk outside the shard), ``"failed_sender"``,
+            ``"duplicate"``, ``"layout_mismatch"`` (wrong length) or ``"non_finite"``.
+        """
+        if self.closed:
+            return "late"
+        if not 0 <= weight < math.inf:
+            return "bad_weight"
+        if chunk not in self.chunks:
+            return "not_owner"
+        if sender in self._failed:
+            return "failed_sender"
+        key = (sender, chunk)
+        if key in self._seen:
+            return "duplicate"
+        i = chunk - self.chunks.start
+        lo = i * self.chunk_elems
+        if values.numel() != min(self.chunk_elems, self.acc.numel() - lo):
+            return "layout_mismatch"
+        if check and not all_finite(values):
+            return "non_finite"
+        self._seen.add(key)
+        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
+        self.weights[i] += weight
+        self.contributors[i] += 1
+        return None
+
+    def on_sender_failed(self, sender: str) -> None:
+        """Refuse ``sender``'s parts from now on (it was declared failed).
+
+        Parts already added stay: each chunk divides by the weight that arrived
+        for it, so a sender that delivered some chunks biases none of them, as
+        in hivemind's reducer, which also excludes only the parts still to come.
+        """
+        self._failed.add(sender)
+
+    def average(self, own: torch.Tensor) -> torch.Tensor:
+        """Divide each chunk's sum by the weight that arrived for it; closes the reducer.
+
+        In place in ``acc`` (one pass, no copy), which is returned.  A chunk whose
+        arrived weights sum to 0 takes ``own`` (our unweighted values of the shard).
+        """
+        self.closed = True
+        acc, n_elems, step = self.acc, self.acc.numel(), self.chunk_elems
+        if not len(self.chunks):
+            return acc
+        safe = self.weights.to(acc.dtype).clamp_min(1e-30)
+        n_full = min(len(self.chunks), n_elems // step)
+        if n_full:
+            acc[: n_full * step].view(n_full, step).div_(safe[:n_full, None])
+        if n_elems > n_full * step:
+            acc[n_full * step :].div_(safe[n_full])
+        zero = self.weights <= 0
+        if bool(zero.any()):  # no weight arrived: keep our own values, never 0/0
+            for i in torch.nonzero(zero).flatten().tolist():
+                lo = i * step
+                hi = min(lo + step, n_elems)
+                acc[lo:hi].copy_(own[lo:hi])
+        return acc

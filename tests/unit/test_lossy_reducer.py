@@ -1,0 +1,126 @@
+"""The reduce-scatter's arithmetic alone (``ShardReducer``): no node, no loop, no clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gossipnet.collectives.lossy.reducer import ShardReducer
+
+CHUNK = 4
+
+
+def _reducer(own: torch.Tensor, weight: float = 1.0, first: int = 0) -> ShardReducer:
+    n = -(-own.numel() // CHUNK)
+    return ShardReducer(own.clone(), range(first, first + n), CHUNK, weight)
+
+
+def _parts(x: torch.Tensor) -> list[torch.Tensor]:
+    return list(x.split(CHUNK))
+
+
+def test_mean_conserved_without_loss() -> None:
+    xs = [torch.randn(10, dtype=torch.float64) for _ in range(4)]
+    red = _reducer(xs[0])
+    for j, x in enumerate(xs[1:], 1):
+        for c, part in enumerate(_parts(x)):
+            assert red.accumulate(f"p{j}", c, part, 1.0) is None
+    avg = red.average(xs[0])
+    torch.testing.assert_close(avg, torch.stack(xs).mean(0))
+    assert red.contributors.tolist() == [4, 4, 4]
+
+
+def test_weights_and_contributors_per_chunk_under_loss() -> None:
+    """Each chunk divides by the weight that arrived for it: lost parts cost no bias."""
+    own = torch.full((12,), 1.0, dtype=torch.float64)
+    red = _reducer(own, weight=2.0)
+    four = torch.full((4,), 4.0, dtype=torch.float64)
+    red.accumulate("b", 0, four, 1.0)
+    red.accumulate("c", 0, four + 3, 3.0)
+    red.accumulate("c", 2, four + 1, 3.0)  # chunk 1: only ours arrived
+    avg = red.average(own)
+    assert avg[:4].tolist() == [(2 * 1 + 4 + 3 * 7) / 6] * 4
+    assert avg[4:8].tolist() == [1.0] * 4
+    assert avg[8:].tolist() == [(2 * 1 + 3 * 5) / 5] * 4
+    assert red.contributors.tolist() == [3, 1, 2]
+    assert red.weights.tolist() == [6.0, 2.0, 5.0]
+
+
+@pytest.mark.parametrize("p", [0.1, 0.4])
+def test_unbiased_under_random_loss(p: float) -> None:
+    """ALGORITHMS.md 1.3 (1, 2): peers whose gradients share one mean, Bernoulli(p) loss
+    per part: the estimates average to that mean; zero-fill / N is low by about (1 - p)."""
+    gen = torch.Generator().manual_seed(7)
+    rng = random.Random(7)
+    mu, peers, trials = 3.0, 8, 2000
+    ours, zero_fill = [], []
+    for _ in range(trials):
+        grads = mu + torch.randn(peers, CHUNK, generator=gen, dtype=torch.float64)
+        red = _reducer(grads[0])
+        delivered = grads[0].clone()
+        for j in range(1, peers):
+            if rng.random() >= p:
+                assert red.accumulate(f"p{j}", 0, grads[j], 1.0) is None
+                delivered += grads[j]
+        ours.append(float(red.average(grads[0]).mean()))
+        zero_fill.append(float(delivered.mean()) / peers)
+    est = sum(ours) / trials
+    biased = sum(zero_fill) / trials
+    assert abs(est - mu) < 0.05, est
+    expected_low = mu * (1 + (peers - 1) * (1 - p)) / peers
+    assert abs(biased - expected_low) < 0.05, (biased, expected_low)
+
+
+def test_duplicate_late_nan_and_foreign_parts_refused() -> None:
+    own = torch.zeros(8)
+    red = _reducer(own, first=10)
+    part = torch.ones(CHUNK)
+    assert red.accumulate("b", 10, part, 1.0) is None
+    assert red.has("b", 10)
+    assert not red.has("b", 11)
+    assert red.accumulate("b", 10, part, 1.0) == "duplicate"
+    assert red.accumulate("b", 12, part, 1.0) == "not_owner"  # outside the shard
+    assert red.accumulate("c", 11, torch.tensor([1.0, float("nan"), 0.0, 0.0]), 1.0) == (
+        "non_finite"
+    )
+    assert red.accumulate("c", 11, torch.ones(3), 1.0) == "layout_mismatch"
+    assert red.accumulate("c", 11, part, -1.0) == "bad_weight"
+    assert red.accumulate("c", 11, part, float("inf")) == "bad_weight"
+    assert red.contributors.tolist() == [2, 1]  # only b's first part counted
+    avg = red.average(own)
+    assert avg.tolist() == [0.5] * 4 + [0.0] * 4
+    assert red.accumulate("c", 11, part, 1.0) == "late"  # averaged already
+    assert red.contributors.tolist() == [2, 1]
+
+
+def test_failed_sender_removed() -> None:
+    """A sender declared failed adds nothing more; what it delivered before stays."""
+    own = torch.zeros(8)
+    red = _reducer(own)
+    assert red.accumulate("b", 0, torch.full((4,), 2.0), 1.0) is None
+    red.on_sender_failed("b")
+    assert red.accumulate("b", 1, torch.full((4,), 2.0), 1.0) == "failed_sender"
+    assert red.accumulate("c", 1, torch.full((4,), 4.0), 1.0) is None
+    avg = red.average(own)
+    assert avg.tolist() == [1.0] * 4 + [2.0] * 4
+    assert red.contributors.tolist() == [2, 2]
+
+
+def test_zero_weight_keeps_own_values() -> None:
+    """No weight arrived for a chunk (ours is 0): it keeps our values, never 0/0."""
+    own = torch.arange(6.0)
+    red = _reducer(own, weight=0.0)
+    red.accumulate("b", 1, torch.full((2,), 9.0), 2.0)  # the short last chunk
+    avg = red.average(own)
+    assert avg[:4].tolist() == own[:4].tolist()
+    assert avg[4:].tolist() == [9.0, 9.0]
+    assert red.weights.tolist() == [0.0, 2.0]
+
+
+def test_bad_construction_raises() -> None:
+    with pytest.raises(ValueError, match="weight"):
+        ShardReducer(torch.zeros(4), range(1), CHUNK, float("nan"))
+    with pytest.raises(ValueError, match="chunks"):
+        ShardReducer(torch.zeros(4), range(2), CHUNK, 1.0)
