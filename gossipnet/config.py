@@ -44,7 +44,7 @@ class Config:
             applied once at the first ``join``; False leaves the allocator alone.
         local_ipc: reach peers on ``127.0.0.1`` over a Unix socket in a directory
             private to this user instead of TCP (ZeroMQ backend;
-            ``transport/_local_ipc.py``), and skip the payload MAC there: only this
+            ``transport/zeromq/local_ipc.py``), and skip the payload MAC there: only this
             user's processes can write to it (the key's fingerprint is still
             checked).  Addresses stay ``tcp://127.0.0.1:<port>``.  A 25M float32
             all-reduce across four local processes takes 0.99x gloo's time with it,
@@ -108,7 +108,7 @@ class Config:
             chunk whose broadcast was lost by the size of the last step of it that
             arrived, against the sign of this peer's own gradient, instead of
             keeping it one step behind: the gradient taken there next is what lost
-            broadcasts cost (``averaging/_stale_step.py``).  False keeps the old
+            broadcasts cost (``collectives/lossy/stale_step.py``).  False keeps the old
             values.
     """
 

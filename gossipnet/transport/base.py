@@ -39,7 +39,7 @@ class LocalFrames(list[memoryview]):
 
     A backend hands its handler this type instead of a plain list for packets
     that arrived through a same-host socket in a directory private to this
-    user (``transport/_local_ipc.py``).  Why it matters: such a sender could
+    user (``transport/zeromq/local_ipc.py``).  Why it matters: such a sender could
     read our memory and key anyway, so a MAC over the payload proves nothing
     the operating system has not already; the wire codec then checks the key
     fingerprint instead of hashing every byte (``WireCodec.decode``).

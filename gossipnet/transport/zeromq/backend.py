@@ -8,7 +8,7 @@ never queues without bound; a peer that is slow, dead or not yet connected
 costs dropped packets (counted), never a stalled loop.
 
 Shape: one PULL socket bound on the listen address receives from everyone
-(and a second one on the same-host alias, ``_local_ipc``); one PUSH socket per
+(and a second one on the same-host alias, ``local_ipc``); one PUSH socket per
 destination is connected lazily on the first send (``_zmq_routes``).
 Consequence of ``IMMEDIATE=1``: the first packets to a fresh peer are
 dropped (``dropped_queue_full``) until its TCP connection and ZMTP handshake
@@ -130,7 +130,7 @@ class ZmqTransport(Transport):
     # 256 KiB: per-packet Python costs ~40 us, so 64 KiB chunks spend more time in
     # per-packet overhead than in moving bytes (bench/allreduce.py measured 1.3x CPU)
     default_chunk_bytes: ClassVar[int] = 256 * 1024
-    # Large buckets go in chunks of up to 4 MiB (averaging.chunks.auto_chunk_bytes):
+    # Large buckets go in chunks of up to 4 MiB (collectives.chunks.auto_chunk_bytes):
     # each packet costs two thread wake-ups per process on top of its Python cost.
     # 1 MiB chunks cut the all-reduce's CPU by ~30% against 256 KiB at 16 MB; 2 MiB
     # by 6-14% more against 1 MiB at 100 MB (bench/allreduce.py --chunk-kib 1024 2048,

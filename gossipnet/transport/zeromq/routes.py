@@ -2,7 +2,7 @@
 
 Why its own module: choosing the path is more than a ``connect``.  A
 destination on ``127.0.0.1`` is reached over its same-host alias when one
-answers (``_local_ipc``), else over TCP; a sender that dialed before its peer
+answers (``local_ipc``), else over TCP; a sender that dialed before its peer
 was up moves to the alias later, without losing what it sends meanwhile; and
 whether a destination is reached over its alias decides whether its packets
 may go unsigned (:meth:`PushRoutes.is_local`).  ``zeromq.py`` keeps binding,
