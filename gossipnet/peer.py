@@ -15,6 +15,7 @@ calls, shutdown), ``_join.py`` (arguments and environment to settings) and
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,6 +24,7 @@ import torch
 
 from gossipnet._collective import moshpit_bound_s, moshpit_config, stage
 from gossipnet._core import PeerCore
+from gossipnet._training_host import PeerTrainingHost
 from gossipnet.clock import Clock
 from gossipnet.collectives.chunks import FlatBuffer
 from gossipnet.collectives.lossy.engine import LossyAllReduce
@@ -38,6 +40,7 @@ from gossipnet.runtime.join import resolve_join, warn_if_exposed
 from gossipnet.training.dropcompute import Normalise
 from gossipnet.training.microbatch import MicrobatchLoop, MicrobatchReport, TauSpec
 from gossipnet.training.optimizer import GossipOptimizer
+from gossipnet.training.options import StrategyOptions, resolve
 from gossipnet.training.replicas import ReplicaCheck
 from gossipnet.training.route import route_average
 
@@ -208,7 +211,11 @@ class Peer(PeerCore):
             return self.all_reduce(tensors, timeout, weight=weight)
         if method == "route":
             return route_average(
-                self, tensors, rounds=rounds, timeout=timeout, start_round=start_round
+                self._training_host,
+                tensors,
+                rounds=rounds,
+                timeout=timeout,
+                start_round=start_round,
             )
         if method != "moshpit":
             raise ConfigError(
@@ -316,14 +323,34 @@ class Peer(PeerCore):
         return self._flats.get(tensors)
 
     def optimizer(
-        self, base: torch.optim.Optimizer, strategy: str = "allreduce", **kwargs: Any
+        self,
+        base: torch.optim.Optimizer,
+        strategy: str | StrategyOptions = "allreduce",
+        **kwargs: Any,
     ) -> GossipOptimizer:
         """Wrap ``base`` for data-parallel training over this peer.
 
-        See :class:`gossipnet.training.optimizer.GossipOptimizer`; ``kwargs`` go to it
-        (``resync_every_steps``, ``timeout``).
+        Args:
+            base: a constructed torch optimizer over the model's parameters.
+            strategy: ``"allreduce"``, ``"moshpit"`` or ``"route"`` (then ``kwargs``
+                are its options: :class:`gossipnet.AllReduceOptions`,
+                :class:`gossipnet.MoshpitOptions`, :class:`gossipnet.RouteOptions`,
+                by field or historical name, e.g. ``resync_every_steps``, ``timeout``,
+                ``average_every``), or one of those options values.
+
+        Raises:
+            ConfigError: an unknown strategy or option (the message names the
+                accepted ones), or a strategy that cannot run here.
+
+        See :class:`gossipnet.GossipOptimizer`.
         """
-        return GossipOptimizer(self, base, strategy=strategy, **kwargs)
+        return GossipOptimizer(self._training_host, base, resolve(strategy, kwargs))
+
+    @functools.cached_property
+    def _training_host(self) -> PeerTrainingHost:
+        """This peer as the training layer sees it; one per peer (an ``AutoTau``
+        knows the host it serves by identity)."""
+        return PeerTrainingHost(self)
 
     # ------------------------------------------------------------------ DropCompute
     def microbatches(
@@ -364,7 +391,8 @@ class Peer(PeerCore):
             report's ``extra``.
         """
         now = (clock or self._node.clock).now
-        return self._microbatch.loop(self, iterable, max_microbatches, tau, normalise, now)
+        host = self._training_host
+        return self._microbatch.loop(host, iterable, max_microbatches, tau, normalise, now)
 
     @property
     def last_microbatch_report(self) -> MicrobatchReport | None:
