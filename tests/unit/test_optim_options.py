@@ -173,3 +173,23 @@ def test_the_route_strategy_needs_a_route_on_its_host() -> None:
     w = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(gossipnet.ConfigError, match="set_route"):
         RouteStrategy(host, torch.optim.SGD([w], lr=0.1), gossipnet.RouteOptions())  # type: ignore[arg-type]
+
+
+def test_the_training_layer_never_imports_the_facade() -> None:
+    """training/ reaches a peer only through ``TrainingHost``: no import of the facade
+    (``peer``, ``_core``, ``_collective``, the adapter), TYPE_CHECKING ones included."""
+    import ast
+    from pathlib import Path
+
+    facade = {"gossipnet", "gossipnet.peer", "gossipnet._core", "gossipnet._collective"}
+    facade.add("gossipnet._training_host")
+    root = Path(gossipnet.__file__).parent / "training"
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names = {a.name for a in node.names}
+            else:
+                continue
+            assert not names & facade, (path.name, sorted(names & facade))
