@@ -6,7 +6,10 @@ micro-batch gradients only until a compute-time threshold ``tau`` and then
 contributes what it has.  This module is the arithmetic, with no clock,
 thread, state or network: the step loop (:mod:`gossipnet.training.microbatch`) asks
 it when to cut and how to weight, :mod:`gossipnet.training.autotau` scores
-thresholds with it, and the benchmarks call the same functions.
+thresholds with it, and the benchmarks call the same functions.  It also holds
+:class:`MicrobatchReport`, one step's outcome as a value: the loop makes it and
+the optimizer strategies read it through ``training.host.TrainingHost``, so it
+lives below both (re-exported by :mod:`gossipnet.training.microbatch`).
 
 Two cut semantics appear below (``interruptible``):
 
