@@ -90,7 +90,7 @@ def worker(args: argparse.Namespace) -> None:
         checkpoint=checkpoint,
         checkpoint_every=50 if checkpoint else 0,
     )
-    sync = opt._moshpit.last_sync if opt._moshpit else None  # what the join downloaded
+    sync = opt.last_sync  # what the join downloaded
     log = open(args.log_dir / f"rank{rank}.jsonl", "a", buffering=1)  # noqa: SIM115
     log.write(json.dumps({"t": time.time(), "event": "start", "step": opt.step_count,
                           "synced_from": sync.source if sync else None}) + "\n")  # fmt: skip

@@ -27,12 +27,14 @@ from gossipnet.reports import CollectiveReport
 from gossipnet.training.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
 from gossipnet.training.microbatch import MicrobatchReport
 from gossipnet.training.optimizer import GossipOptimizer
+from gossipnet.training.options import AllReduceOptions, MoshpitOptions, RouteOptions
 from gossipnet.training.replicas import ReplicaCheck
 from gossipnet.transport.faults import Crash, FaultPlan, GilbertElliott, Partition
 
 __version__ = "0.1.0"
 
 __all__ = (
+    "AllReduceOptions",
     "AutoTau",
     "AutoTauConfig",
     "Clock",
@@ -51,6 +53,7 @@ __all__ = (
     "LayoutMismatchError",
     "MicrobatchReport",
     "MonotonicClock",
+    "MoshpitOptions",
     "Partition",
     "Peer",
     "PeerUnreachable",
@@ -58,6 +61,7 @@ __all__ = (
     "RadioModel",
     "ReplicaCheck",
     "Route",
+    "RouteOptions",
     "TauPolicy",
     "__version__",
     "join",

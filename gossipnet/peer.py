@@ -16,6 +16,7 @@ blocking calls, join wait, shutdown) and the engines built on it (``_core.py``).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -24,6 +25,7 @@ import torch
 
 from gossipnet._collective import moshpit_bound_s, moshpit_config, stage
 from gossipnet._core import ENGINES, Engines, IslandHost
+from gossipnet._training_host import PeerTrainingHost
 from gossipnet.clock import Clock
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.collectives.route.averager import RouteTime
@@ -42,6 +44,7 @@ from gossipnet.runtime.runtime import Runtime
 from gossipnet.training.dropcompute import Normalise
 from gossipnet.training.microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
 from gossipnet.training.optimizer import GossipOptimizer
+from gossipnet.training.options import StrategyOptions, resolve
 from gossipnet.training.replicas import ReplicaCheck
 from gossipnet.training.route import route_average
 
@@ -304,7 +307,11 @@ class Peer:
             return self.all_reduce(tensors, timeout, weight=weight)
         if method == "route":
             return route_average(
-                self, tensors, rounds=rounds, timeout=timeout, start_round=start_round
+                self._training_host,
+                tensors,
+                rounds=rounds,
+                timeout=timeout,
+                start_round=start_round,
             )
         if method != "moshpit":
             raise ConfigError(
@@ -409,14 +416,34 @@ class Peer:
         return self._runtime.flats.get(tensors)
 
     def optimizer(
-        self, base: torch.optim.Optimizer, strategy: str = "allreduce", **kwargs: Any
+        self,
+        base: torch.optim.Optimizer,
+        strategy: str | StrategyOptions = "allreduce",
+        **kwargs: Any,
     ) -> GossipOptimizer:
         """Wrap ``base`` for data-parallel training over this peer.
 
-        See :class:`gossipnet.training.optimizer.GossipOptimizer`; ``kwargs`` go to it
-        (``resync_every_steps``, ``timeout``).
+        Args:
+            base: a constructed torch optimizer over the model's parameters.
+            strategy: ``"allreduce"``, ``"moshpit"`` or ``"route"`` (then ``kwargs``
+                are its options: :class:`gossipnet.AllReduceOptions`,
+                :class:`gossipnet.MoshpitOptions`, :class:`gossipnet.RouteOptions`,
+                by field or historical name, e.g. ``resync_every_steps``, ``timeout``,
+                ``average_every``), or one of those options values.
+
+        Raises:
+            ConfigError: an unknown strategy or option (the message names the
+                accepted ones), or a strategy that cannot run here.
+
+        See :class:`gossipnet.GossipOptimizer`.
         """
-        return GossipOptimizer(self, base, strategy=strategy, **kwargs)
+        return GossipOptimizer(self._training_host, base, resolve(strategy, kwargs))
+
+    @functools.cached_property
+    def _training_host(self) -> PeerTrainingHost:
+        """This peer as the training layer sees it; one per peer (an ``AutoTau``
+        knows the host it serves by identity)."""
+        return PeerTrainingHost(self)
 
     # ------------------------------------------------------------------ DropCompute
     def microbatches(
@@ -457,7 +484,8 @@ class Peer:
             report's ``extra``.
         """
         now = (clock or self._node.clock).now
-        return self._microbatch.loop(self, iterable, max_microbatches, tau, normalise, now)
+        host = self._training_host
+        return self._microbatch.loop(host, iterable, max_microbatches, tau, normalise, now)
 
     @property
     def last_microbatch_report(self) -> MicrobatchReport | None:

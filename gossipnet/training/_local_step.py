@@ -9,19 +9,18 @@ alongside the parameters.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from gossipnet.peer import Peer
-    from gossipnet.training.microbatch import MicrobatchReport
+from gossipnet.training.dropcompute import MicrobatchReport
+from gossipnet.training.host import TrainingHost
 
 __all__ = ("scale_for_microbatches", "state_tensors")
 
 
 def scale_for_microbatches(
-    peer: Peer,
+    host: TrainingHost,
     params: Sequence[torch.Tensor],
     closure: Callable[[], Any] | None,
     weight: float | None,
@@ -34,7 +33,7 @@ def scale_for_microbatches(
     gradients are the ones to scale), so the returned closure is then ``None``.
     Returns the report (``None`` without a loop) and the closure still to run.
     """
-    mb = peer._take_microbatch_report()  # the last net.microbatches loop, once
+    mb = host.take_microbatch_report()  # the last net.microbatches loop, once
     if mb is None or weight is not None:
         return mb, closure
     if closure is not None:

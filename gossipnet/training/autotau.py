@@ -131,7 +131,7 @@ class AutoTau:
         self.config = config or AutoTauConfig()
         self.gather = gather
         self.world_size = world_size
-        self.owner: object | None = None  # the peer it serves (its timings are one peer's)
+        self.owner: object | None = None  # the TrainingHost it serves (timings are one peer's)
         self.tau_s: float | None = None
         self.step = 0  # steps observed
         self.choices: list[tuple[int, ThresholdChoice]] = []

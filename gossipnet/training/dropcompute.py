@@ -6,7 +6,10 @@ micro-batch gradients only until a compute-time threshold ``tau`` and then
 contributes what it has.  This module is the arithmetic, with no clock,
 thread, state or network: the step loop (:mod:`gossipnet.training.microbatch`) asks
 it when to cut and how to weight, :mod:`gossipnet.training.autotau` scores
-thresholds with it, and the benchmarks call the same functions.
+thresholds with it, and the benchmarks call the same functions.  It also holds
+:class:`MicrobatchReport`, one step's outcome as a value: the loop makes it and
+the optimizer strategies read it through ``training.host.TrainingHost``, so it
+lives below both (re-exported by :mod:`gossipnet.training.microbatch`).
 
 Two cut semantics appear below (``interruptible``):
 
@@ -34,6 +37,7 @@ from typing import Literal
 import numpy as np
 
 __all__ = (
+    "MicrobatchReport",
     "Normalise",
     "ThresholdChoice",
     "best_threshold",
@@ -108,6 +112,60 @@ def simulate_cut(
     idx = np.clip(done - 1, 0, m - 1)[..., None]
     spent = np.where(done > 0, np.take_along_axis(acc, idx, axis=-1)[..., 0], 0.0)
     return done, spent
+
+
+# --------------------------------------------------------------------------- one step's report
+@dataclass(frozen=True, slots=True)
+class MicrobatchReport:
+    """What one ``microbatches`` loop did (``net.last_microbatch_report``).
+
+    Attributes:
+        step: index of the loop on this peer (0, 1, ...).
+        completed: micro-batches whose body ran.
+        max_microbatches: K.
+        tau_s: the threshold in force, seconds; None = no cut-off.
+        compute_s: clock seconds from the loop's start to its last micro-batch's end.
+        times_s: seconds of each completed micro-batch (data loading included).
+        cut: the threshold ended the loop.
+        exhausted: the iterable ran out before K.
+        normalise: ``"completed"`` or ``"full"`` (see :func:`contribution`).
+    """
+
+    step: int
+    completed: int
+    max_microbatches: int
+    tau_s: float | None
+    compute_s: float
+    times_s: tuple[float, ...]
+    cut: bool
+    exhausted: bool
+    normalise: Normalise
+
+    @property
+    def drop_rate(self) -> float:
+        """Share of the K micro-batches not run this step."""
+        return 1.0 - self.completed / self.max_microbatches
+
+    @property
+    def grad_scale(self) -> float:
+        """Factor applied to the accumulated gradient before the all-reduce."""
+        return contribution(self.completed, self.max_microbatches, self.normalise)[0]
+
+    @property
+    def weight(self) -> float:
+        """This peer's all-reduce weight."""
+        return contribution(self.completed, self.max_microbatches, self.normalise)[1]
+
+    def as_extra(self) -> dict[str, float]:
+        """Floats for ``CollectiveReport.extra`` (tau ``inf`` = no cut-off)."""
+        return {
+            "mb_completed": float(self.completed),
+            "mb_max": float(self.max_microbatches),
+            "mb_drop_rate": self.drop_rate,
+            "mb_compute_s": self.compute_s,
+            "tau_s": math.inf if self.tau_s is None else self.tau_s,
+            "mb_weight": self.weight,
+        }
 
 
 # --------------------------------------------------------------------------- automatic tau

@@ -23,21 +23,17 @@ except that ``tau="auto"`` gathers every peer's timings every few steps
 from __future__ import annotations
 
 import logging
-import math
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
 from gossipnet.collectives.lossy.options import RoundOptions
 from gossipnet.training.autotau import AutoTau, FixedTau, TauPolicy
-from gossipnet.training.dropcompute import Normalise, contribution, should_cut
-
-if TYPE_CHECKING:
-    from gossipnet.peer import Peer
+from gossipnet.training.dropcompute import MicrobatchReport, Normalise, contribution, should_cut
+from gossipnet.training.host import TrainingHost
 
 __all__ = ("MicrobatchLoop", "MicrobatchReport", "MicrobatchState", "TauSpec", "gather_rows")
 
@@ -50,59 +46,6 @@ TauSpec = float | str | TauPolicy | None
 #: Engine mode of timing-gather rounds: packets of gradient (0) or resync (1) rounds
 #: are never mixed with them, even when peers disagree on which round is which.
 MODE_TIMINGS = 0x44
-
-
-@dataclass(frozen=True, slots=True)
-class MicrobatchReport:
-    """What one ``microbatches`` loop did (``net.last_microbatch_report``).
-
-    Attributes:
-        step: index of the loop on this peer (0, 1, ...).
-        completed: micro-batches whose body ran.
-        max_microbatches: K.
-        tau_s: the threshold in force, seconds; None = no cut-off.
-        compute_s: clock seconds from the loop's start to its last micro-batch's end.
-        times_s: seconds of each completed micro-batch (data loading included).
-        cut: the threshold ended the loop.
-        exhausted: the iterable ran out before K.
-        normalise: ``"completed"`` or ``"full"`` (see :func:`contribution`).
-    """
-
-    step: int
-    completed: int
-    max_microbatches: int
-    tau_s: float | None
-    compute_s: float
-    times_s: tuple[float, ...]
-    cut: bool
-    exhausted: bool
-    normalise: Normalise
-
-    @property
-    def drop_rate(self) -> float:
-        """Share of the K micro-batches not run this step."""
-        return 1.0 - self.completed / self.max_microbatches
-
-    @property
-    def grad_scale(self) -> float:
-        """Factor applied to the accumulated gradient before the all-reduce."""
-        return contribution(self.completed, self.max_microbatches, self.normalise)[0]
-
-    @property
-    def weight(self) -> float:
-        """This peer's all-reduce weight."""
-        return contribution(self.completed, self.max_microbatches, self.normalise)[1]
-
-    def as_extra(self) -> dict[str, float]:
-        """Floats for ``CollectiveReport.extra`` (tau ``inf`` = no cut-off)."""
-        return {
-            "mb_completed": float(self.completed),
-            "mb_max": float(self.max_microbatches),
-            "mb_drop_rate": self.drop_rate,
-            "mb_compute_s": self.compute_s,
-            "tau_s": math.inf if self.tau_s is None else self.tau_s,
-            "mb_weight": self.weight,
-        }
 
 
 class MicrobatchLoop(Generic[T]):
@@ -212,7 +155,7 @@ class MicrobatchState:
 
     def loop(
         self,
-        peer: Peer,
+        host: TrainingHost,
         iterable: Iterable[T],
         max_microbatches: int,
         tau: TauSpec,
@@ -225,7 +168,7 @@ class MicrobatchState:
         loop: MicrobatchLoop[T] = MicrobatchLoop(
             iterable,
             max_microbatches=max_microbatches,
-            policy=self._policy(peer, tau),
+            policy=self._policy(host, tau),
             normalise=normalise,
             now=_synced(now),
             step=self.step,
@@ -249,7 +192,7 @@ class MicrobatchState:
         self.last = report
         self.active = None
 
-    def _policy(self, peer: Peer, tau: TauSpec) -> TauPolicy:
+    def _policy(self, host: TrainingHost, tau: TauSpec) -> TauPolicy:
         if tau is None or isinstance(tau, (int, float)):
             return FixedTau(None if tau is None else float(tau))
         if tau == "auto":
@@ -258,11 +201,11 @@ class MicrobatchState:
             tau = self.auto
         if isinstance(tau, AutoTau):
             if tau.owner is None:
-                tau.owner = peer
+                tau.owner = host
                 if tau.gather is None and tau.world_size == 1:
                     cap = tau.config.history_steps
-                    tau.gather = lambda rows: gather_rows(peer, rows, capacity=cap)
-            elif tau.owner is not peer:
+                    tau.gather = lambda rows: gather_rows(host, rows, capacity=cap)
+            elif tau.owner is not host:
                 raise ValueError("this AutoTau already serves another peer; make one per peer")
         if not isinstance(tau, TauPolicy):
             raise ValueError(f"tau must be None, seconds, 'auto' or a TauPolicy, got {tau!r}")
@@ -284,7 +227,11 @@ def _synced(now: Callable[[], float]) -> Callable[[], float]:
 
 # --------------------------------------------------------------------------- timing gather
 def gather_rows(
-    peer: Peer, rows: np.ndarray, *, capacity: int | None = None, timeout_s: float | None = None
+    host: TrainingHost,
+    rows: np.ndarray,
+    *,
+    capacity: int | None = None,
+    timeout_s: float | None = None,
 ) -> list[np.ndarray]:
     """Every alive peer's ``[S, M]`` timing rows (own included), over the lossy all-reduce.
 
@@ -310,9 +257,9 @@ def gather_rows(
         (the same on every peer, so seeded imputations agree), ours always among
         them.  Network faults never raise.
     """
-    parts = tuple(peer.alive_peers())
-    n, me = len(parts), parts.index(peer.peer_id) if peer.peer_id in parts else -1
-    elems = (peer.config.chunk_bytes or peer.node.transport.default_chunk_bytes) // 4  # type: ignore[union-attr]
+    parts = tuple(host.alive_peers())
+    n, me = len(parts), parts.index(host.peer_id) if host.peer_id in parts else -1
+    elems = (host.config.chunk_bytes or host.node.transport.default_chunk_bytes) // 4  # type: ignore[union-attr]
     if n < 2 or me < 0 or elems <= n + 1:
         return [rows]
     s, m = rows.shape
@@ -326,16 +273,28 @@ def gather_rows(
     buf[torch.from_numpy(data_idx[me])] = torch.from_numpy(
         np.concatenate([header, mine.ravel()])
     ).float()
-    t = peer.config.collective_timeout_s if timeout_s is None else timeout_s
-    engine = peer._engine()
-    peer._call(
+    t = host.config.collective_timeout_s if timeout_s is None else timeout_s
+    engine = host.allreduce_engine
+    host.call(
         engine.run([buf], RoundOptions(timeout_s=t, participants=parts, mode=MODE_TIMINGS)), t + 30
     )
     flat = buf.double().numpy()
-    marks = flat[mark_idx]
-    values = flat[data_idx] / np.maximum(marks, 1e-30)
+    out = _unpack_rows(flat[data_idx], flat[mark_idx], me, rows, header, cap)
+    if len(out) < n:
+        log.info("peer %s: timings of %d of %d peers arrived", host.peer_id, len(out), n)
+    return out
+
+
+def _unpack_rows(
+    data: np.ndarray, marks: np.ndarray, me: int, rows: np.ndarray, header: list[int], cap: int
+) -> list[np.ndarray]:
+    """Each peer's rows out of its gathered slot: ``data`` and ``marks`` are the slots'
+    values and the markers of their chunks (``[n, per_peer]``); a slot with a lost
+    piece, another checksum or a bad row count is dropped; ours is ``rows`` itself."""
+    values = data / np.maximum(marks, 1e-30)
+    m = rows.shape[1]
     out = []
-    for j in range(n):
+    for j in range(len(values)):
         if j == me:  # our own rows exactly (they also made the trip, in float32)
             out.append(rows)
             continue
@@ -346,8 +305,6 @@ def gather_rows(
         got = v[3:].reshape(cap, m)[cap - s_j :].copy()
         got[got < 0] = np.nan
         out.append(got)
-    if len(out) < n:
-        log.info("peer %s: timings of %d of %d peers arrived", peer.peer_id, len(out), n)
     return out
 
 

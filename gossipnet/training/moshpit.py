@@ -28,16 +28,14 @@ constructed again:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from gossipnet.collectives.moshpit.averager import BEHIND_SWEEPS, SWEEP_STRIDE
+from gossipnet.collectives.moshpit.averager import SWEEP_STRIDE
 from gossipnet.collectives.statesync.sync import (
-    Snapshot,
     TransferReport,
     load_checkpoint,
     pack_state,
@@ -46,10 +44,12 @@ from gossipnet.collectives.statesync.sync import (
 )
 from gossipnet.errors import ConfigError
 from gossipnet.reports import CollectiveReport
+from gossipnet.training import _snapshot
 from gossipnet.training._local_step import scale_for_microbatches, state_tensors
-
-if TYPE_CHECKING:
-    from gossipnet.training.optimizer import GossipOptimizer
+from gossipnet.training.host import TrainingHost
+from gossipnet.training.options import MoshpitOptions
+from gossipnet.training.replicas import ReplicaCheck
+from gossipnet.training.strategy import adopt_groups
 
 __all__ = ("MoshpitStrategy",)
 
@@ -57,68 +57,51 @@ log = logging.getLogger(__name__)
 
 
 class MoshpitStrategy:
-    """The moshpit strategy of one :class:`~gossipnet.training.optimizer.GossipOptimizer`.
+    """Local steps with ``base``, Moshpit averaging every ``average_every`` steps.
 
     Args:
-        opt: the wrapper (its peer, base optimizer, parameter groups, timeout).
-        average_every: local steps between averagings (k).
-        average_state: also average floating optimizer state shaped like the
-            parameters (Adam's moments, momentum buffers).
-        sync_state: download the current state from live peers on construction.
-        group_size: largest Moshpit group (default: the averager's, 32).
-        rounds: Moshpit rounds per averaging (None: the grid's d).
-        checkpoint: path of an optional local checkpoint (loaded when no live peer
-            has state, written atomically every ``checkpoint_every`` steps).
-        checkpoint_every: steps between checkpoints (0: only on request).
-        sync_timeout: bound of the initial state download in seconds.
-        catch_up_sweeps: download the others' state instead of averaging when this
-            many sweeps behind the most advanced peer (the others no longer plan us in).
+        host: the joined peer.
+        base: the user's optimizer; it steps on this peer's own gradients.
+        options: the averaging period, groups, state download and checkpoint.
+
+    Construction publishes this peer's state, then (``sync_state``) downloads the
+    current state from a live peer if there is one to follow (see the module doc).
+
+    Raises:
+        ValueError: no parameter of ``base`` requires grad.
     """
 
+    name = "moshpit"
+
     def __init__(
-        self,
-        opt: GossipOptimizer,
-        *,
-        average_every: int = 1,
-        average_state: bool = False,
-        sync_state: bool = True,
-        group_size: int | None = None,
-        rounds: int | None = None,
-        checkpoint: str | None = None,
-        checkpoint_every: int = 0,
-        sync_timeout: float = 30.0,
-        catch_up_sweeps: int = BEHIND_SWEEPS,
+        self, host: TrainingHost, base: torch.optim.Optimizer, options: MoshpitOptions
     ) -> None:
-        if average_every < 1 or checkpoint_every < 0 or (rounds is not None and rounds < 1):
-            raise ConfigError("average_every >= 1, rounds >= 1 and checkpoint_every >= 0 required")
-        self.opt = opt
-        self.peer = opt.peer
-        self.base = opt.base
-        self.average_every = average_every
-        self.average_state = average_state
-        self.group_size = group_size
-        self.rounds = rounds
-        self.checkpoint = checkpoint
-        self.checkpoint_every = checkpoint_every
-        self.sync_timeout = sync_timeout
-        self.catch_up_sweeps = catch_up_sweeps
-        self.params = [p for group in opt.groups for p in group]
+        groups, _ = adopt_groups(base)
+        self.host = host
+        self.base = base
+        self.options = options
+        self.timeout_s = (
+            host.config.collective_timeout_s if options.timeout_s is None else options.timeout_s
+        )
+        self.params = [p for group in groups for p in group]
+        self.step_count = 0
+        self.last_report: CollectiveReport | None = None
+        self.last_resync: CollectiveReport | None = None  # Moshpit peers never resync
+        self.last_replica_check: ReplicaCheck | None = None  # nor compare digests
         self.last_sync: TransferReport | None = None
         # summed averaging weight of the local steps since the last average, and their count
         self._window_weight, self._window_steps = 0.0, 0
-        if checkpoint is not None:
-            data = load_checkpoint(checkpoint)
+        if options.checkpoint_path is not None:
+            data = load_checkpoint(options.checkpoint_path)
             if data is not None:
                 self.load_bytes(data)
-                log.info("peer %s: loaded checkpoint %s", self.peer.peer_id, checkpoint)
+                log.info("peer %s: loaded checkpoint %s", host.peer_id, options.checkpoint_path)
         self.publish()
-        if sync_state:
+        if options.sync_state:
             self.sync()
 
     # ------------------------------------------------------------------ training
-    def step(
-        self, closure: Callable[[], Any] | None = None, weight: float | None = None
-    ) -> CollectiveReport:
+    def step(self, closure: Callable[[], Any] | None, weight: float | None) -> CollectiveReport:
         """A local optimizer step; every ``average_every`` steps, Moshpit averaging.
 
         After a ``net.microbatches`` loop (and ``weight=None``) the summed gradient
@@ -133,25 +116,26 @@ class MoshpitStrategy:
         explicit ``weight`` leaves gradients as they are and is the averaging
         weight.
         """
-        mb, closure = scale_for_microbatches(self.peer, self.params, closure, weight)
+        opts = self.options
+        mb, closure = scale_for_microbatches(self.host, self.params, closure, weight)
         self._window_weight += (mb.weight if mb is not None else 1.0) if weight is None else weight
         self._window_steps += 1
         self.base.step(closure)
-        self.opt.step_count += 1
-        me = self.peer.peer_id
+        self.step_count += 1
+        me = self.host.peer_id
         report = CollectiveReport(method="local", participants=(me,), contributors=(me,))
-        if self.opt.step_count % self.average_every == 0:
+        if self.step_count % opts.average_every == 0:
             report = self._average_or_catch_up(self._window_weight / self._window_steps)
             self._window_weight, self._window_steps = 0.0, 0
         if mb is not None:
             report.extra.update(mb.as_extra())
-        every = self.checkpoint_every
-        if self.checkpoint and every and self.opt.step_count % every == 0:
+        every = opts.checkpoint_every_steps
+        if opts.checkpoint_path and every and self.step_count % every == 0:
             self.save_checkpoint()
-        sync = self.peer._statesync
+        sync = self.host.statesync
         if sync is not None and sync.wanted:  # a joiner is waiting for fresh state
             self.publish()
-        self.opt.last_report = report
+        self.last_report = report
         return report
 
     def _average_or_catch_up(self, weight: float) -> CollectiveReport:
@@ -165,47 +149,55 @@ class MoshpitStrategy:
         average alone: it downloads the current state instead, step count
         included, as a restarted peer does.
         """
-        sweep = self.opt.step_count // self.average_every
-        averager = self.peer._moshpit
+        sweep = self.step_count // self.options.average_every
+        averager = self.host.moshpit
         if (
             averager is not None
-            and averager.max_seen >= (sweep + self.catch_up_sweeps) * SWEEP_STRIDE
+            and averager.max_seen >= (sweep + self.options.catch_up_sweeps) * SWEEP_STRIDE
         ):
             rep = self.sync(force=True)
-            me = self.peer.peer_id
+            me = self.host.peer_id
             extra = {"caught_up": float(bool(rep and rep.ok))}
             return CollectiveReport(
                 method="catch-up", participants=(me,), contributors=(me,), extra=extra
             )
         return self.average(weight, start_round=sweep * SWEEP_STRIDE)
 
+    def resync(self) -> CollectiveReport:
+        """Average now, outside the schedule (weight 1, the next sweep)."""
+        return self.average()
+
     def average(self, weight: float = 1.0, start_round: int | None = None) -> CollectiveReport:
         """Average parameters (and optionally optimizer state) now."""
         tensors = [p.detach() for p in self.params]
-        if self.average_state:
+        if self.options.average_state:
             tensors += state_tensors(self.base, self.params)
-        return self.peer.average(
+        return self.host.moshpit_average(
             tensors,
-            method="moshpit",
-            rounds=self.rounds,
+            rounds=self.options.rounds,
             weight=weight,
-            timeout=self.opt.timeout,
-            group_size=self.group_size,
+            timeout_s=self.timeout_s,
+            group_size=self.options.group_size,
             start_round=start_round,
         )
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> bytes:
+        """Parameters, optimizer state and step count, packed (what joiners download)."""
         return pack_state(
             {
                 "params": [p.detach().cpu() for p in self.params],
                 "optim": self.base.state_dict(),
-                "step": self.opt.step_count,
+                "step": self.step_count,
             }
         )
 
     def load_bytes(self, data: bytes) -> None:
-        """Adopt a state made by :meth:`state_bytes` (same model and optimizer)."""
+        """Adopt a state made by :meth:`state_bytes` (same model and optimizer).
+
+        Raises:
+            ConfigError: the state's parameter shapes are not this model's.
+        """
         state = unpack_state(data)
         params = state["params"]
         if len(params) != len(self.params) or any(
@@ -216,43 +208,42 @@ class MoshpitStrategy:
             for mine, theirs in zip(self.params, params, strict=True):
                 mine.copy_(theirs)
         self.base.load_state_dict(state["optim"])
-        self.opt.step_count = int(state["step"])
+        self.step_count = int(state["step"])
 
     def publish(self) -> None:
         """Serve the current state to joiners (hashed here, not on the loop thread)."""
-        sync = self.peer._statesync
-        if sync is None:
-            return
-        snap = Snapshot.of(self.state_bytes(), sync.chunk_bytes, {"step": self.opt.step_count}, 0.0)
-
-        async def install() -> None:
-            sync.install(_stamped(snap, sync.node.clock.now()))
-
-        self.peer._call(install())
+        _snapshot.publish(self.host, self.state_bytes, self.step_count)
 
     def save_checkpoint(self) -> None:
-        if self.checkpoint is None:
+        """Write the state to ``checkpoint_path`` atomically.
+
+        Raises:
+            ConfigError: no checkpoint path was given.
+        """
+        if self.options.checkpoint_path is None:
             raise ConfigError("no checkpoint path was given")
-        save_atomic(self.checkpoint, self.state_bytes())
+        save_atomic(self.options.checkpoint_path, self.state_bytes())
 
     def sync(self, force: bool = False) -> TransferReport | None:
         """Download the state of a live peer if there is one to follow (see module doc);
         ``force``: from whoever is training (we fell behind)."""
-        sync, averager = self.peer._statesync, self.peer._moshpit
+        host = self.host
+        sync, averager = host.statesync, host.moshpit
         if sync is None or averager is None:
             return None
-        others, progress = self.peer._call(_beacons(self.peer))
+        others, progress = host.call(_beacons(host))
         if not others:
             return None
-        me = self.peer.peer_id
+        me = host.peer_id
         if progress > 0 or force:
             sources, max_age = None, 0.0  # training under way: state from after we asked
         elif min(others) < me:
             sources, max_age = [min(others)], None  # fresh cluster: the first peer's state
         else:
             return None
-        coro = sync.download(sources=sources, timeout_s=self.sync_timeout, max_age_s=max_age)
-        data, rep = self.peer._call(coro, self.sync_timeout + 30)
+        timeout_s = self.options.sync_timeout_s
+        coro = sync.download(sources=sources, timeout_s=timeout_s, max_age_s=max_age)
+        data, rep = host.call(coro, timeout_s + 30)
         self.last_sync = rep
         if data is None:
             log.warning("peer %s: no state downloaded (%s); starting from our own", me, rep)
@@ -264,28 +255,27 @@ class MoshpitStrategy:
             me,
             rep.source,
             rep.nbytes,
-            self.opt.step_count,
+            self.step_count,
             rep.chunks_resumed,
             rep.elapsed_s,
         )
         return rep
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step_count": self.opt.step_count, "base": self.base.state_dict()}
+        """Step count and the base optimizer's state (parameters are the model's)."""
+        return {"step_count": self.step_count, "base": self.base.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.opt.step_count = int(state["step_count"])
+        """Restore :meth:`state_dict`'s output."""
+        self.step_count = int(state["step_count"])
         self.base.load_state_dict(state["base"])
 
 
-def _stamped(snap: Snapshot, now: float) -> Snapshot:
-    return dataclasses.replace(snap, created=now)
-
-
-async def _beacons(peer: Any) -> tuple[list[str], int]:
+async def _beacons(host: TrainingHost) -> tuple[list[str], int]:
     """(alive others, highest Moshpit round they announced), after waiting up to two
     heartbeat intervals for every alive peer's beacon (on the node's clock)."""
-    node, averager = peer._node, peer._moshpit
+    node, averager = host.node, host.moshpit
+    assert averager is not None  # checked by the caller
     deadline = node.clock.now() + 2 * node.config.heartbeat_interval_s
     while True:
         others = [p for p in node.alive_peers() if p != node.peer_id]

@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from gossipnet.collectives.chunks import all_finite
+from gossipnet.collectives.statesync.sync import TransferReport
 from gossipnet.errors import ConfigError
 from gossipnet.reports import CollectiveReport
 from gossipnet.training._local_step import scale_for_microbatches, state_tensors
-
-if TYPE_CHECKING:
-    from gossipnet.peer import Peer
-    from gossipnet.training.optimizer import GossipOptimizer
+from gossipnet.training.host import TrainingHost
+from gossipnet.training.options import RouteOptions
+from gossipnet.training.replicas import ReplicaCheck
+from gossipnet.training.strategy import adopt_groups
 
 __all__ = ("RouteStrategy", "route_average")
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 
 def route_average(
-    peer: Peer,
+    host: TrainingHost,
     tensors: Sequence[torch.Tensor],
     *,
     rounds: int | None = None,
@@ -48,16 +49,16 @@ def route_average(
     peer sits the round out (its partners' exchanges with it fail, so both keep
     their values) and the report's ``extra["nonfinite_local"]`` is 1.
     """
-    averager = peer._route
+    averager = host.route
     if averager is None:
         raise ConfigError("route averaging is not running on this peer")
     if not tensors:
         raise ValueError("average needs at least one tensor")
     if rounds is not None and rounds < 1:
         raise ConfigError(f"rounds must be >= 1, got {rounds}")
-    flat = peer._flat_for(tensors)
+    flat = host.flat_for(tensors)
     buckets = flat.flatten(tensors)
-    me = peer.peer_id
+    me = host.peer_id
     if not all(all_finite(b) for b in buckets):
         log.warning("peer %s: non-finite values to average; sitting this round out", me)
         skipped = 0 if start_round is None else start_round
@@ -69,12 +70,12 @@ def route_average(
             extra={"nonfinite_local": 1.0},
         )
     joined = torch.cat([b.detach().reshape(-1).to("cpu", torch.float32) for b in buckets])
-    share_wait = peer.config.control_timeout_s if timeout is None else timeout
+    share_wait = host.config.control_timeout_s if timeout is None else timeout
     reports = []
     for i in range(rounds or 1):
         rnd = None if start_round is None else start_round + i
         coro = averager.average(joined, rnd=rnd, share_wait_s=share_wait)
-        reports.append(peer._call(coro, averager.bound_s(share_wait) + 30))
+        reports.append(host.call(coro, averager.bound_s(share_wait) + 30))
     offset = 0
     for b in buckets:
         n = b.numel()
@@ -107,46 +108,46 @@ def _merge(reports: list[CollectiveReport]) -> CollectiveReport:
 
 
 class RouteStrategy:
-    """The route strategy of one :class:`~gossipnet.training.optimizer.GossipOptimizer`.
+    """Local steps with ``base``, route-aware gossip every ``average_every`` steps.
 
     Args:
-        opt: the wrapper (its peer, base optimizer, parameter groups).
-        average_every: local steps between gossip rounds (k).
-        rounds: gossip rounds per averaging (each plans afresh on the routes).
-        average_state: also gossip floating optimizer state shaped like the
-            parameters (momentum buffers, Adam's moments).
+        host: the joined peer, its route already announced.
+        base: the user's optimizer; it steps on this peer's own gradients.
+        options: the gossip period, rounds per averaging, and whether the optimizer
+            state is gossiped too.
 
     Start every peer from the same initial parameters (same seed) for the usual
     decentralised-SGD behaviour; different starts are pulled together by gossip, at
     the pace the links allow.
+
+    Raises:
+        ValueError: no parameter of ``base`` requires grad.
+        ConfigError: this peer has no route yet (``join(..., route=...)`` or
+            ``net.set_route``).
     """
 
+    name = "route"
+
     def __init__(
-        self,
-        opt: GossipOptimizer,
-        *,
-        average_every: int = 1,
-        rounds: int = 1,
-        average_state: bool = False,
+        self, host: TrainingHost, base: torch.optim.Optimizer, options: RouteOptions
     ) -> None:
-        if average_every < 1 or rounds < 1:
-            raise ConfigError("average_every >= 1 and rounds >= 1 required")
-        if opt.peer._route is None or opt.peer._route.own is None:
+        groups, _ = adopt_groups(base)
+        if host.route is None or host.route.own is None:
             raise ConfigError(
                 "strategy='route' needs this peer's route: join(..., route=...) or "
                 "net.set_route(route) before net.optimizer(...)"
             )
-        self.opt = opt
-        self.peer = opt.peer
-        self.base = opt.base
-        self.average_every = average_every
-        self.rounds = rounds
-        self.average_state = average_state
-        self.params = [p for group in opt.groups for p in group]
+        self.host = host
+        self.base = base
+        self.options = options
+        self.params = [p for group in groups for p in group]
+        self.step_count = 0
+        self.last_report: CollectiveReport | None = None
+        self.last_resync: CollectiveReport | None = None  # route peers never resync
+        self.last_sync: TransferReport | None = None  # nor download state
+        self.last_replica_check: ReplicaCheck | None = None  # nor compare digests
 
-    def step(
-        self, closure: Callable[[], Any] | None = None, weight: float | None = None
-    ) -> CollectiveReport:
+    def step(self, closure: Callable[[], Any] | None, weight: float | None) -> CollectiveReport:
         """A local step; every ``average_every`` steps, a route-aware gossip round.
 
         After a ``net.microbatches`` loop (and ``weight=None``) the summed gradient
@@ -157,29 +158,37 @@ class RouteStrategy:
         at both ends of a link, which is what keeps the mean; weighting peers by
         work done would need push-sum instead.
         """
-        mb, closure = scale_for_microbatches(self.peer, self.params, closure, weight)
+        mb, closure = scale_for_microbatches(self.host, self.params, closure, weight)
         self.base.step(closure)
-        self.opt.step_count += 1
-        me = self.peer.peer_id
+        self.step_count += 1
+        me = self.host.peer_id
         report = CollectiveReport(method="local", participants=(me,), contributors=(me,))
-        if self.opt.step_count % self.average_every == 0:
-            sweep = self.opt.step_count // self.average_every - 1
-            report = self.average(start_round=sweep * self.rounds)
+        every = self.options.average_every
+        if self.step_count % every == 0:
+            sweep = self.step_count // every - 1
+            report = self.average(start_round=sweep * self.options.rounds)
         if mb is not None:
             report.extra.update(mb.as_extra())
-        self.opt.last_report = report
+        self.last_report = report
         return report
+
+    def resync(self) -> CollectiveReport:
+        """Gossip now, outside the schedule (the next round)."""
+        return self.average()
 
     def average(self, start_round: int | None = None) -> CollectiveReport:
         """Gossip the parameters (and optionally the optimizer state) now."""
         tensors = [p.detach() for p in self.params]
-        if self.average_state:
+        if self.options.average_state:
             tensors += state_tensors(self.base, self.params)
-        return route_average(self.peer, tensors, rounds=self.rounds, start_round=start_round)
+        rounds = self.options.rounds
+        return route_average(self.host, tensors, rounds=rounds, start_round=start_round)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step_count": self.opt.step_count, "base": self.base.state_dict()}
+        """Step count and the base optimizer's state (parameters are the model's)."""
+        return {"step_count": self.step_count, "base": self.base.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.opt.step_count = int(state["step_count"])
+        """Restore :meth:`state_dict`'s output."""
+        self.step_count = int(state["step_count"])
         self.base.load_state_dict(state["base"])

@@ -188,7 +188,7 @@ def test_restarted_peer_downloads_state_and_is_averaging_again(
         list(pool.map(lambda i: train(opts[i], models[i], 400, 20 + i, fut.done), range(3)))
         fut.result(timeout=30)
         opts[3] = back[0]
-        sync = opts[3]._moshpit.last_sync
+        sync = opts[3].last_sync
         assert sync is not None
         assert sync.ok
         # state from after its request: the others' step count, not their first one

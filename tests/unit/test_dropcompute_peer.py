@@ -124,7 +124,7 @@ def test_gather_rows_recovers_every_peers_timings() -> None:
         return r[3:] if rank == 2 else r  # a shorter history: padded to the capacity
 
     def body(rank: int, peer: gossipnet.Peer) -> list[np.ndarray]:
-        return gather_rows(peer, rows_of(rank), capacity=10)
+        return gather_rows(peer._training_host, rows_of(rank), capacity=10)
 
     # 64-byte chunks: each slot spans several chunks, each piece with its chunk's marker
     for got in run_peers(3, body, chunk_bytes=64):

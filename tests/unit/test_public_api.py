@@ -10,6 +10,7 @@ import gossipnet
 
 def test_all_is_pinned() -> None:
     assert gossipnet.__all__ == (
+        "AllReduceOptions",
         "AutoTau",
         "AutoTauConfig",
         "Clock",
@@ -28,6 +29,7 @@ def test_all_is_pinned() -> None:
         "LayoutMismatchError",
         "MicrobatchReport",
         "MonotonicClock",
+        "MoshpitOptions",
         "Partition",
         "Peer",
         "PeerUnreachable",
@@ -35,6 +37,7 @@ def test_all_is_pinned() -> None:
         "RadioModel",
         "ReplicaCheck",
         "Route",
+        "RouteOptions",
         "TauPolicy",
         "__version__",
         "join",

@@ -28,6 +28,7 @@ from gossipnet.collectives.lossy.round_id import (
 )
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.testing import run_peers
+from gossipnet.training.allreduce import AllReduceStrategy
 
 from ..conftest import FAST
 
@@ -111,11 +112,11 @@ def test_a_peer_frozen_past_the_failure_timeout_realigns() -> None:
 def test_a_replica_outvoted_after_a_resync_repairs_itself(monkeypatch: Any) -> None:
     """A resync that leaves one replica wrong (here: p2 corrupts its result) is caught
     by the digest check: p2 downloads the majority's state and says so in a report."""
-    real_resync = gossipnet.GossipOptimizer._resync
+    real_resync = AllReduceStrategy._resync
     corrupted = []
 
     async def bad_resync(self: Any, params: list[torch.Tensor], round_id: int) -> Any:
-        if self.peer.peer_id == "p2" and round_id == optimizer_round(10, 1):
+        if self.host.peer_id == "p2" and round_id == optimizer_round(10, 1):
             # the resync's own result, wrong on p2 only (as a stale chunk would be)
             orig = self._engine().run
 
@@ -132,7 +133,7 @@ def test_a_replica_outvoted_after_a_resync_repairs_itself(monkeypatch: Any) -> N
                 del self._engine().run
         return await real_resync(self, params, round_id)
 
-    monkeypatch.setattr(gossipnet.GossipOptimizer, "_resync", bad_resync)
+    monkeypatch.setattr(AllReduceStrategy, "_resync", bad_resync)
 
     def body(rank: int, peer: gossipnet.Peer) -> Any:
         return _train(peer, 16, 200 + rank)

@@ -3,7 +3,8 @@
 Why: under torchrun each GPU has its own process and its own gossipnet peer, so
 :func:`.hierarchical.island_all_reduce` (one process, several GPUs) never applies, and
 every GPU would speak on the lossy network although NVLink joins them.  Here the
-processes of one machine whose GPUs form an NVLink island (:func:`gossipnet.collectives.blink.detect.detect`)
+processes of one machine whose GPUs form an NVLink island
+(:func:`~gossipnet.collectives.blink.detect.detect`)
 become one island; a round of :meth:`gossipnet.Peer.island_average` is
 
 1. discovery (first call, and whenever the alive set changed): each peer tells the

@@ -63,8 +63,9 @@ def islands_for(
 
     Args:
         devices: CUDA devices (or indices) of the local replicas, one per replica.
-        topology: the machine's topology; default :func:`gossipnet.collectives.blink.detect.detect` for CUDA
-            devices. Without one every replica is its own island.
+        topology: the machine's topology; default
+            :func:`~gossipnet.collectives.blink.detect.detect` for CUDA devices.
+            Without one every replica is its own island.
     """
     idx = [d if isinstance(d, int) else (d.index or 0) for d in devices]
     if topology is None and all(isinstance(d, int) or d.type == "cuda" for d in devices):
@@ -216,8 +217,9 @@ def island_all_reduce(
 ) -> CollectiveReport:
     """Average per-GPU replicas across this machine (Blink) and the peers (lossy).
 
-    The machine's topology is detected once (:func:`gossipnet.collectives.blink.detect.detect`); CPU replicas,
-    or no CUDA, fall back to plain local means.  See :class:`IslandAverager`.
+    The machine's topology is detected once
+    (:func:`~gossipnet.collectives.blink.detect.detect`); CPU replicas, or no CUDA,
+    fall back to plain local means.  See :class:`IslandAverager`.
     """
     devs = [r[0].device for r in replicas if len(r)]
     if len(devs) != len(replicas):
