@@ -9,6 +9,7 @@ package has no side effects: no thread, socket or event loop starts until
 
 from __future__ import annotations
 
+from gossipnet._join import join
 from gossipnet.clock import Clock, FakeClock, MonotonicClock
 from gossipnet.config import Config
 from gossipnet.errors import (
@@ -22,7 +23,7 @@ from gossipnet.errors import (
 )
 from gossipnet.mobility.radio import RadioModel
 from gossipnet.mobility.routes import Route
-from gossipnet.peer import Peer, join
+from gossipnet.peer import Peer
 from gossipnet.reports import CollectiveReport
 from gossipnet.training.autotau import AutoTau, AutoTauConfig, FixedTau, TauPolicy
 from gossipnet.training.microbatch import MicrobatchReport

@@ -1,4 +1,4 @@
-"""``gossipnet.join()`` and :class:`Peer`: the synchronous facade.
+""":class:`Peer`: the synchronous facade that :func:`gossipnet.join` returns.
 
 The training thread calls plain methods; each one submits a coroutine to
 the peer's event-loop thread (:mod:`gossipnet.runtime.loop`) and waits for it
@@ -6,10 +6,11 @@ with a deadline.  Tensors cross threads as CPU copies made by the caller's
 thread; results are written back on the caller's thread, so the trainer
 never races the network.
 
-This module holds what users call and read: ``join()``, the collectives,
-the optimizer and micro-batches.  A ``Peer`` holds its machinery rather than
-inheriting it: a :class:`~gossipnet.runtime.runtime.Runtime` (loop thread, node,
-blocking calls, join wait, shutdown) and the engines built on it (``_core.py``).
+This module holds what users call and read on a peer: the collectives, the
+optimizer and micro-batches (``join()`` itself is in ``_join.py``).  A ``Peer``
+holds its machinery rather than inheriting it: a
+:class:`~gossipnet.runtime.runtime.Runtime` (loop thread, node, blocking calls,
+join wait, shutdown) and the engines built on it (``_core.py``).
 ``runtime/join.py`` turns arguments and environment into settings, and
 ``_collective.py`` stages tensors (flat buffers, CPU copies, write-back).
 """
@@ -35,9 +36,8 @@ from gossipnet.mobility.radio import RadioModel
 from gossipnet.mobility.routes import Route
 from gossipnet.mobility.schedule import ScheduleConfig
 from gossipnet.reports import CollectiveReport
-from gossipnet.runtime import signals as _signals
 from gossipnet.runtime.flatbuffer import FlatBuffer
-from gossipnet.runtime.join import advertise_host, resolve_join, warn_if_exposed
+from gossipnet.runtime.join import advertise_host
 from gossipnet.runtime.loop import LoopThread
 from gossipnet.runtime.node import Node
 from gossipnet.runtime.runtime import Runtime
@@ -51,7 +51,7 @@ from gossipnet.training.route import route_average
 if TYPE_CHECKING:
     from gossipnet.collectives.blink.topology import GpuTopology
 
-__all__ = ("Peer", "join")
+__all__ = ("Peer",)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -495,83 +495,3 @@ class Peer:
     def _take_microbatch_report(self) -> MicrobatchReport | None:
         """Finish the open ``microbatches`` loop; its report once per loop, else None."""
         return self._microbatch.take()
-
-
-def join(
-    peers: Sequence[str] | None = None,
-    listen: str | None = None,
-    *,
-    secret: bytes | str | None = None,
-    faults: Any = None,
-    config: Config | None = None,
-    clock: Clock | None = None,
-    network: Any = None,
-    wait_for: int | None = None,
-    handle_sigterm: bool = True,
-    route: Route | None = None,
-    radio: RadioModel | None = None,
-    **overrides: Any,
-) -> Peer:
-    """Start a peer and join the others; raise if they cannot be found.
-
-    Returns as soon as the expected peers are alive.  At ``Config.join_timeout_s``
-    without them it raises :class:`~gossipnet.JoinError`, naming the addresses that
-    never answered and those whose packets failed authentication (a different
-    secret?), unless ``min_peers`` (a ``Config`` field, e.g. ``join(...,
-    min_peers=3)``) are alive: then it goes on with a warning naming the absent.
-
-    Args:
-        peers: bootstrap addresses (``tcp://host:port``, ``udp://...``, ``mem://name``);
-            may include our own; checked at once (scheme, host, port 1..65535, the
-            listen address's backend).  ``[]``: a solo peer, on purpose.  ``None``
-            reads torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
-            ``MASTER_PORT``); outside torchrun it raises ``ConfigError``.
-        listen: our address; port 0 binds a free port.  Its scheme picks the backend.
-        secret: run secret keying the MAC of every packet (else ``GOSSIPNET_SECRET``;
-            else a key derived from the run id only, which stops accidents, not
-            attackers: a peer without one that listens beyond loopback logs a warning).
-        faults: a :class:`gossipnet.FaultPlan` applied to everything this peer sends.
-        config: base :class:`gossipnet.Config`; ``overrides`` replace its fields.
-        clock: injected clock (tests); real monotonic time by default.
-        network: the :class:`gossipnet.testing.MemoryNetwork` for ``mem://`` peers.
-        wait_for: peers (self included) expected: ``join()`` returns once they are
-            alive; default: the distinct bootstrap addresses plus us, or
-            ``WORLD_SIZE`` under torchrun.
-        handle_sigterm: on SIGTERM, announce our departure and leave (within about a
-            second), then exit as SIGTERM would; installed only from the main thread.
-        route, radio: this peer's route and the radio model for route-aware gossip
-            (``method="route"``, ``strategy="route"``); see :meth:`Peer.set_route`.
-
-    Returns:
-        A running :class:`Peer` (also a context manager that leaves on exit).
-
-    Raises:
-        JoinError: fewer than ``min_peers`` (default: all expected) peers alive at
-            ``Config.join_timeout_s``; the peer was closed.
-        ConfigError: a bad peer address, override or ``wait_for``; no peers outside
-            torchrun; a listen address that cannot be bound.
-    """
-    plan = resolve_join(
-        peers, listen, secret=secret, config=config, wait_for=wait_for, overrides=overrides
-    )
-    warn_if_exposed(plan)
-    peer = Peer(
-        config=plan.config,
-        listen=plan.listen,
-        peer_id=plan.peer_id,
-        bootstrap=plan.bootstrap,
-        secret=plan.secret,
-        faults=faults,
-        clock=clock,
-        network=network,
-        expected_peers=plan.expected_peers,
-    )
-    if route is not None or radio is not None:
-        try:
-            peer.set_route(route, radio=radio)
-        except BaseException:
-            peer.close(announce=False)
-            raise
-    if handle_sigterm:
-        _signals.install(peer)
-    return peer

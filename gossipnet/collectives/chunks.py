@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gossipnet.collectives.flatbuffer import FlatBuffer
+from gossipnet.runtime.flatbuffer import FlatBuffer
 
 __all__ = (
     "ChunkPlan",

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from gossipnet._join import join
 from gossipnet.demo.config import SPLITS as SPLITS
 from gossipnet.demo.config import STRATEGIES as STRATEGIES
 from gossipnet.demo.config import DemoConfig, DemoResult, EvalRecord, StepRecord
@@ -44,7 +45,7 @@ from gossipnet.demo.model import load_corpus as load_corpus
 from gossipnet.demo.model import lr_at as lr_at
 from gossipnet.demo.model import sample_windows as sample_windows
 from gossipnet.demo.model import shard_stream as shard_stream
-from gossipnet.peer import Peer, join
+from gossipnet.peer import Peer
 from gossipnet.reports import CollectiveReport
 
 __all__ = ("VOCAB", "DemoConfig", "DemoResult", "EvalRecord", "StepRecord", "run_demos")

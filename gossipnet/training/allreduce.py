@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from gossipnet.collectives.chunks import all_finite
-from gossipnet.collectives.flatbuffer import FlatBuffer
 from gossipnet.collectives.lossy.engine import LossyAllReduce, OwnedShard
 from gossipnet.collectives.lossy.options import RoundOptions
 from gossipnet.collectives.lossy.round_id import (
@@ -51,6 +50,7 @@ from gossipnet.collectives.lossy.round_id import (
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.collectives.statesync.sync import TransferReport
 from gossipnet.reports import CollectiveReport
+from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._realign import Realigner
 from gossipnet.training._shards import ShardedOptimizer
 from gossipnet.training.host import TrainingHost

@@ -15,13 +15,13 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from gossipnet.collectives.flatbuffer import FlatBuffer
 from gossipnet.collectives.lossy.engine import LossyAllReduce
 from gossipnet.collectives.moshpit.averager import MoshpitAverager
 from gossipnet.collectives.route.averager import RouteAverager
 from gossipnet.collectives.statesync.sync import StateSync
 from gossipnet.config import Config
 from gossipnet.reports import CollectiveReport
+from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.runtime.node import Node
 from gossipnet.training.dropcompute import MicrobatchReport
 from gossipnet.training.replicas import ReplicaCheck, ReplicaDigests

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
-from gossipnet.collectives.flatbuffer import FlatBuffer
 from gossipnet.collectives.statesync.sync import TransferReport
 from gossipnet.reports import CollectiveReport
+from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training.replicas import ReplicaCheck
 
 __all__ = ("Strategy", "adopt_groups")

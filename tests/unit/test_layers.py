@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mobility", ("mobility",)),
     ("collectives", ("collectives",)),
     ("training", ("training",)),
-    ("facade", ("", "peer", "_core", "_collective", "_training_host")),
+    ("facade", ("", "peer", "_core", "_collective", "_training_host", "_join")),
     ("top", ("cli", "demo", "testbed", "testing")),
 )
 #: Layers that may import only from these (mobility is pure maths over values).
