@@ -8,6 +8,7 @@ See ``bench/dropcompute.py``'s docstring for the set-up and why it is fair.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import threading
@@ -201,8 +202,10 @@ def run_real(n: int, plans: dict[str, NoisePlan], cfg: Settings) -> dict[str, di
     background load then falls on all modes alike, and each mode's clock counts
     only its own steps.
     """
-    addrs = [f"tcp://127.0.0.1:{p}" for p in free_ports(n)]
     jobs = [(s, m) for s in plans for m in MODES]
+    # one peer per (rank, job): a peer averages one model (one optimizer)
+    ports = iter(free_ports(n * len(jobs)))  # one call: the ports all differ
+    addrs = {job: [f"tcp://127.0.0.1:{next(ports)}" for _ in range(n)] for job in jobs}
     runs = {s: {m: Run(m) for m in MODES} for s in plans}
     for s, m in jobs:
         runs[s][m].done = np.zeros((n, cfg.steps))
@@ -214,8 +217,14 @@ def run_real(n: int, plans: dict[str, NoisePlan], cfg: Settings) -> dict[str, di
 
     def peer(rank: int) -> None:
         try:
-            with gossipnet.join(addrs, listen=addrs[rank], peer_id=f"b{rank}", **NET) as net:
-                trainers = {(s, m): Trainer(net, rank, m, plans[s], cfg) for s, m in jobs}
+            with contextlib.ExitStack() as stack:
+                trainers = {}
+                for j, (s, m) in enumerate(jobs):
+                    a = addrs[s, m]
+                    net = stack.enter_context(
+                        gossipnet.join(a, listen=a[rank], peer_id=f"b{rank}.{j}", **NET)
+                    )
+                    trainers[s, m] = Trainer(net, rank, m, plans[s], cfg)
                 gate.wait()
                 for step in range(cfg.steps):
                     for s, m in jobs:

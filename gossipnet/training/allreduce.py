@@ -115,8 +115,10 @@ class AllReduceStrategy:
         self.last_resync: CollectiveReport | None = None
         self._last_align: Alignment | None = None
         # added to every round id: moved past the ids already run when a checkpoint is
-        # loaded (load_state_dict), so restored steps never reuse a round id
-        self._round_base = 0
+        # loaded (load_state_dict) or when this optimizer replaces an earlier one of the
+        # peer, so no step ever reuses a round id; peers that replace theirs at the same
+        # point of the program have run the same rounds, so they agree on it
+        self._round_base = max(0, self._engine().next_round - optimizer_round(0, EXPLICIT_RESYNC))
         # held while a step or resync changes the parameters or the optimizer state, so
         # that a peer asking for our state between steps (or after the last) gets a
         # consistent snapshot without waiting for our next step (Realigner.serve_idle)

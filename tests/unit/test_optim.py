@@ -255,3 +255,38 @@ def test_drift_bounded_under_loss_and_zero_after_resync() -> None:
     assert late < 1.5 * early, (float(early), float(late))
     finals = [o[1] for o in out]
     assert all(torch.equal(finals[0], f) for f in finals[1:]), "resync left a gap"
+
+
+def test_second_optimizer_is_refused_and_a_replacement_continues_the_rounds() -> None:
+    """One optimizer per peer: its rounds are numbered by its step, so a second one in
+    use would reuse them (it used to fail later, inside a step, with 'round id already
+    run').  A replacement made once the first is gone trains on, replicas identical."""
+    import gc
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[str, list[torch.Tensor]]:
+        torch.manual_seed(rank)
+        p = torch.nn.Parameter(torch.randn(300))
+        opt = peer.optimizer(torch.optim.SGD([p], lr=0.1))
+        with pytest.raises(gossipnet.ConfigError, match="already has an optimizer") as err:
+            peer.optimizer(torch.optim.SGD([torch.nn.Parameter(torch.zeros(3))], lr=0.1))
+        said = str(err.value)
+        del err  # its traceback's frames hold the first optimizer
+        for _ in range(3):
+            p.grad = torch.full_like(p, float(rank))
+            assert opt.step().ok
+        del opt
+        gc.collect()
+        opt = peer.optimizer(torch.optim.SGD([p], lr=0.1))  # a new stage: allowed now
+        snaps = []
+        for _ in range(3):
+            p.grad = torch.full_like(p, float(rank))
+            rep = opt.step()
+            assert rep.ok, rep
+            snaps.append(p.detach().clone())
+        return said, snaps
+
+    out = run_peers(3, body)
+    assert "param groups" in out[0][0]
+    for step in range(3):
+        assert torch.equal(out[0][1][step], out[1][1][step])
+        assert torch.equal(out[0][1][step], out[2][1][step])
