@@ -95,10 +95,11 @@ class PeerTrainingHost:
         peer: the running peer; the adapter holds no state of its own.
     """
 
-    __slots__ = ("_peer",)
+    __slots__ = ("_peer", "last_stepper")
 
     def __init__(self, peer: PeerInternals) -> None:
         self._peer = peer
+        self.last_stepper: int | None = None
 
     @property
     def peer_id(self) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import weakref
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -103,9 +102,6 @@ class Peer:
         self._route = engines.route
         self._island = engines.island
         self._microbatch = MicrobatchState()
-        # the live optimizer, if any: its rounds are numbered by its step on this
-        # peer's one optimizer engine, so a second one would reuse its round ids
-        self._optimizer: weakref.ref[GossipOptimizer] | None = None
 
     # ------------------------------------------------------------------ runtime
     @property
@@ -435,32 +431,19 @@ class Peer:
                 by field or historical name, e.g. ``resync_every_steps``, ``timeout``,
                 ``average_every``), or one of those options values.
 
-        One optimizer per peer at a time: its rounds are numbered by its own step
-        count, so two stepping side by side would claim the same rounds.  A new one
-        made after the previous is gone (replaced, e.g. for a new training stage)
-        continues the numbering where the peer is, as the other peers' do.
+        One optimizer steps per peer: its rounds are numbered by its own step
+        count.  Another may replace it (a new training stage, a checkpoint loaded
+        into a fresh one): the new one's rounds follow those already run, as on the
+        other peers that replace theirs at the same point.
 
         Raises:
             ConfigError: an unknown strategy or option (the message names the
-                accepted ones), a strategy that cannot run here, or another
-                optimizer of this peer still in use.
+                accepted ones), or a strategy that cannot run here.  Stepping two
+                optimizers of one peer in turn raises ``ConfigError`` at the step.
 
         See :class:`gossipnet.GossipOptimizer`.
         """
-        live = self._optimizer() if self._optimizer is not None else None
-        if live is not None:
-            name = live.strategy.name
-            del live  # the error's traceback must not keep the optimizer alive
-            raise ConfigError(
-                f"peer {self.peer_id} already has an optimizer ({name}) in use:"
-                " one model is averaged per peer. Put every parameter in one optimizer"
-                " (param groups for different settings), or join a second peer (another"
-                " listen port and run=) for a second model; drop the first optimizer"
-                " (del it) to replace it"
-            )
-        opt = GossipOptimizer(self._training_host, base, resolve(strategy, kwargs))
-        self._optimizer = weakref.ref(opt)
-        return opt
+        return GossipOptimizer(self._training_host, base, resolve(strategy, kwargs))
 
     @functools.cached_property
     def _training_host(self) -> PeerTrainingHost:

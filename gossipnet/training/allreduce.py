@@ -115,10 +115,11 @@ class AllReduceStrategy:
         self.last_resync: CollectiveReport | None = None
         self._last_align: Alignment | None = None
         # added to every round id: moved past the ids already run when a checkpoint is
-        # loaded (load_state_dict) or when this optimizer replaces an earlier one of the
-        # peer, so no step ever reuses a round id; peers that replace theirs at the same
-        # point of the program have run the same rounds, so they agree on it
-        self._round_base = max(0, self._engine().next_round - optimizer_round(0, EXPLICIT_RESYNC))
+        # loaded (load_state_dict) or, at its first step, when this optimizer replaces an
+        # earlier one of the peer, so no step ever reuses a round id; peers that replace
+        # theirs at the same point of the program have run the same rounds: they agree
+        self._round_base = 0
+        self._based = False  # the round base is settled (first step, resync or load)
         # held while a step or resync changes the parameters or the optimizer state, so
         # that a peer asking for our state between steps (or after the last) gets a
         # consistent snapshot without waiting for our next step (Realigner.serve_idle)
@@ -146,6 +147,7 @@ class AllReduceStrategy:
         K and 1 with ``normalise="full"``); without such a loop, weight 1.
         Non-finite gradients are sent as zeros with weight 0.
         """
+        self._settle_base()
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -190,8 +192,16 @@ class AllReduceStrategy:
                 )
         return grads
 
+    def _settle_base(self) -> None:
+        """At first use, start after the rounds this peer's engine already ran."""
+        if not self._based:
+            fresh = self._engine().next_round - optimizer_round(self.step_count, EXPLICIT_RESYNC)
+            self._round_base = max(self._round_base, fresh)
+            self._based = True
+
     def resync(self) -> CollectiveReport:
         """Average parameters now and repair every lost chunk (replicas become equal)."""
+        self._settle_base()
         rid = max(self._rid(self.step_count, EXPLICIT_RESYNC), self._engine().next_round)
         if rid >= self._rid(self.step_count, GRADIENTS) and self.last_resync is not None:
             return self.last_resync  # two resyncs already since the last step: nothing changed
@@ -301,6 +311,7 @@ class AllReduceStrategy:
         # one that restores alone is out of step and realigns (``_realign``).
         fresh = self._engine().next_round - optimizer_round(self.step_count, EXPLICIT_RESYNC)
         self._round_base = max(int(state.get("round_base", 0)), fresh)
+        self._based = True
 
     def _rid(self, step: int, slot: int) -> int:
         """The round id of ``slot`` at ``step``: the same on every peer at that step."""
@@ -310,6 +321,7 @@ class AllReduceStrategy:
         """Take a donor's round numbering (realignment): our next rounds are the donor's,
         even where our engine already ran later ones alone (it forgets them)."""
         self._round_base = round_base
+        self._based = True
         first = self._rid(self.step_count, EXPLICIT_RESYNC)
         if self._engine().next_round > first:
             self.host.call(self._engine().rewind(first))

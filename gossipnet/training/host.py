@@ -40,6 +40,10 @@ class TrainingHost(Protocol):
     through :meth:`call` (or from callbacks the loop itself runs).
     """
 
+    #: Token of the optimizer that stepped last on this peer (None: none yet); the
+    #: optimizer reads and writes it to refuse two optimizers stepping in turn.
+    last_stepper: int | None
+
     @property
     def peer_id(self) -> str:
         """This peer's id."""

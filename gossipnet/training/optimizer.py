@@ -18,12 +18,14 @@ and this class carries no ``if strategy == ...`` at all.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from gossipnet.collectives.statesync.sync import TransferReport
+from gossipnet.errors import ConfigError
 from gossipnet.reports import CollectiveReport
 from gossipnet.training.allreduce import AllReduceStrategy
 from gossipnet.training.host import TrainingHost
@@ -60,6 +62,10 @@ def build_strategy(
     raise TypeError(f"not a strategy's options: {options!r}")
 
 
+#: One token per optimizer (``id()`` may be reused once one is gone).
+_TOKENS = itertools.count(1)
+
+
 class GossipOptimizer:
     """Wraps ``base`` so that ``step()`` trains data-parallel over gossipnet.
 
@@ -92,6 +98,28 @@ class GossipOptimizer:
         self.options: StrategyOptions = AllReduceOptions() if options is None else options
         #: the strategy this wrapper delegates to
         self.strategy: Strategy = build_strategy(host, base, self.options)
+        self._host = host
+        self._token = next(_TOKENS)
+        self._stepped = False
+
+    def _take_turn(self) -> None:
+        """Refuse to step after another optimizer of this peer stepped since our last step.
+
+        Why: each optimizer numbers its rounds by its own steps on the peer's one
+        engine, so two stepping in turn would claim rounds the other already ran
+        (once a failure deep inside the engine: "round id 2 was already run").  A
+        replacement that takes over for good steps on: its rounds follow.
+        """
+        last = self._host.last_stepper
+        if self._stepped and last is not None and last != self._token:
+            raise ConfigError(
+                f"peer {self._host.peer_id}: another optimizer stepped since this one did;"
+                " one optimizer steps per peer (its rounds are numbered by its steps). Put"
+                " every parameter in one optimizer (param groups for different settings),"
+                " or join a second peer (another listen port and run=) for a second model"
+            )
+        self._host.last_stepper = self._token
+        self._stepped = True
 
     # ------------------------------------------------------------------ torch.optim shape
     @property
@@ -121,11 +149,13 @@ class GossipOptimizer:
             in ``last_resync``).  Moshpit / route: a ``method="local"`` report, and
             every ``average_every`` steps the averaging's (or gossip round's) report.
         """
+        self._take_turn()
         return self.strategy.step(closure, weight)
 
     def resync(self) -> CollectiveReport:
         """Average parameters now: the all-reduce also repairs every lost chunk, so
         replicas become equal; Moshpit and route run one averaging out of schedule."""
+        self._take_turn()
         return self.strategy.resync()
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import logging
 import pytest
 
 import gossipnet
+import gossipnet._join
 from gossipnet import Config, ConfigError, FakeClock
 from gossipnet.runtime import _join_check
 from gossipnet.runtime import join as _join
@@ -230,7 +231,7 @@ def test_join_under_torchrun_without_a_secret_warns_before_binding(
     def no_peer(**_kw: object) -> None:
         raise _Stop
 
-    clean_env.setattr(gossipnet.peer, "Peer", no_peer)
+    clean_env.setattr(gossipnet._join, "Peer", no_peer)  # join() builds the Peer there
     caplog.set_level(logging.WARNING, logger="gossipnet.peer")
     with pytest.raises(_Stop):
         gossipnet.join()

@@ -133,6 +133,7 @@ class _StubHost:
         self.peer_id = "solo"
         self.config = gossipnet.Config(**FAST)
         self.statesync = self.moshpit = self.route = self.replicas = None
+        self.last_stepper: int | None = None
         self.averaged: list[tuple[int | None, float]] = []
 
     def call(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
