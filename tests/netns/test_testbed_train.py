@@ -135,8 +135,12 @@ def test_host_cut_mid_run_leaves_the_others_training(bed: Testbed, tmp_path: Pat
     for r in results[:victim]:
         assert r["steps_done"] == STEPS, r
         assert not r["timed_out"]
-        assert r["alive_end"] == survivors
-        assert f"h{victim}" not in r["participants_last"]
+        # the last round had every survivor and not the cut host; alive_end is read
+        # after the last step, when a survivor that finished first may have closed
+        # already (its silence then outlasts failure_timeout_s on a loaded machine)
+        assert sorted(r["participants_last"]) == survivors, r["participants_last"]
+        assert f"h{victim}" not in r["alive_end"]
+        assert f"h{r['rank']}" in r["alive_end"]
         evals = dict(r["evals"])
         at_cut = evals[min(s for s in evals if s >= STEPS // 3)]
         assert r["final_loss"] < 0.9 * at_cut, r["evals"]  # it kept learning after the cut
