@@ -297,6 +297,7 @@ class UdpTransport(Transport):
             except OSError:  # e.g. ECONNREFUSED queued by an ICMP error for an earlier send
                 stats.send_errors += 1
                 continue
+            self.path_stats.recv_calls += 1
             self._deliver(data, handler)
             if self._sock is None:
                 return
