@@ -8,7 +8,6 @@ stands in for a peer whose coalesced input holds a broken segment.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import socket
 import struct
