@@ -36,13 +36,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 import struct
 import sys
 from collections.abc import Sequence
-from typing import ClassVar, cast
+from typing import ClassVar
 
 from gossipnet.clock import Clock, MonotonicClock
 from gossipnet.config import Config
@@ -62,6 +61,7 @@ from gossipnet.transport.udp.gso import (
     split_segments,
 )
 from gossipnet.transport.udp.pacing import Pacer, default_burst_bytes
+from gossipnet.transport.udp.resolve import Resolver, SockAddr
 from gossipnet.transport.udp.sender import BatchSender, count_send_error, payload_bytes
 
 __all__ = ("UdpTransport",)
@@ -75,14 +75,10 @@ _MAX_FRAMES = 255
 _FRAMING_FRAMES = 4
 #: Datagrams read per readiness callback before yielding to other loop work.
 _DRAIN_BATCH = 256
-#: Seconds before a failed name resolution is tried again.
-_RESOLVE_RETRY_S = 1.0
 _MAX_PACKET_BYTES = MAX_DATAGRAM_BYTES - 1 - 4 * _FRAMING_FRAMES
 _HEADERS = [struct.Struct(f">B{n}I") for n in range(_MAX_FRAMES + 1)]
 #: A coalesced (GRO) read holds at most one IP datagram's worth (64 KiB).
 _GRO_READ_BYTES = 65536
-
-SockAddr = tuple[str, int] | tuple[str, int, int, int]
 
 
 #: Linux's SO_SNDBUFFORCE/SO_RCVBUFFORCE (absent from the socket module): with
@@ -174,9 +170,8 @@ class UdpTransport(Transport):
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._v6 = False
-        self._addrs: dict[str, SockAddr] = {}  # dst URL -> resolved socket address
-        self._failed: dict[str, float] = {}  # dst URL -> clock time its lookup failed
-        self._resolving: dict[str, asyncio.Task[SockAddr | None]] = {}
+        self._names = Resolver(self.clock)
+        self._addrs = self._names.addrs  # dst URL -> socket address: the hot path's lookup
         self._closed = False
         self._pacer: Pacer | None = None
         self._batch: BatchSender | None = None
@@ -229,6 +224,7 @@ class UdpTransport(Transport):
         if self._host in WILDCARD_HOSTS:
             host = self._advertise_host or "127.0.0.1"
         self._sock, self._loop, self._handler = sock, loop, handler
+        self._names.loop, self._names.v6 = loop, self._v6
         self.address = f"udp://{join_host_port(host, port)}"
         self._start_paths(sock, loop)
         loop.add_reader(sock.fileno(), self._drain_gro if self.path_stats.gro else self._drain)
@@ -266,9 +262,7 @@ class UdpTransport(Transport):
             return
         self._closed = True
         self._handler = None
-        for task in self._resolving.values():
-            task.cancel()
-        self._resolving.clear()
+        self._names.cancel()
         if self._batch is not None:
             self._batch.close()  # accepted this iteration: sent (or handed to the pacer)
         if self._pacer is not None:
@@ -369,7 +363,7 @@ class UdpTransport(Transport):
         if sock is None:
             stats.send_errors += 1
             return False
-        addr = self._addrs.get(dst) or self._resolve(dst)
+        addr = self._addrs.get(dst) or self._names.resolve(dst)
         if addr is None:
             stats.dropped_unreachable += 1
             return False
@@ -412,65 +406,6 @@ class UdpTransport(Transport):
         stats.sent_bytes += payload_bytes(data)  # framing excluded
         return True
 
-    def _resolve(self, dst: str) -> SockAddr | None:
-        """Socket address of ``dst`` now, or None (and start a background lookup for names)."""
-        try:
-            scheme, rest = split_address(dst)
-            host, port_s = split_host_port(rest)
-            port = int(port_s)
-        except (ConfigError, ValueError):
-            return None
-        if scheme != "udp" or not 0 < port < 65536:
-            return None
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            self._resolve_name(dst, host, port)  # resolves in the background
-            return None
-        addr = self._sockaddr(ip, port)
-        if addr is not None:
-            self._addrs[dst] = addr
-        return addr
-
-    def _sockaddr(
-        self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int
-    ) -> SockAddr | None:
-        if self._v6:
-            text = f"::ffff:{ip}" if ip.version == 4 else str(ip)
-            return (text, port, 0, 0)
-        return (str(ip), port) if ip.version == 4 else None
-
-    def _resolve_name(self, dst: str, host: str, port: int) -> None:
-        failed_at = self._failed.get(dst)
-        if failed_at is not None and self.clock.now() - failed_at < _RESOLVE_RETRY_S:
-            return None
-        if dst not in self._resolving and self._loop is not None:
-            task = self._loop.create_task(self._lookup(self._loop, dst, host, port))
-            self._resolving[dst] = task
-        return None
-
-    async def _lookup(
-        self, loop: asyncio.AbstractEventLoop, dst: str, host: str, port: int
-    ) -> SockAddr | None:
-        family = socket.AF_INET6 if self._v6 else socket.AF_INET
-        flags = socket.AI_V4MAPPED if self._v6 else 0
-        try:
-            infos = await loop.getaddrinfo(
-                host, port, family=family, type=socket.SOCK_DGRAM, flags=flags
-            )
-        except (OSError, UnicodeError) as err:
-            _log.warning("cannot resolve %s (%s); packets to it are dropped", dst, err)
-            infos = []
-        finally:
-            self._resolving.pop(dst, None)
-        if not infos:
-            self._failed[dst] = self.clock.now()
-            return None
-        addr = cast(SockAddr, infos[0][4])  # AF_INET/AF_INET6 only (family above)
-        self._failed.pop(dst, None)
-        self._addrs[dst] = addr
-        return addr
-
     async def connect(self, dst: str, timeout_s: float) -> bool:
         """Resolve ``dst`` so the next send is not dropped for a pending lookup.
 
@@ -480,9 +415,9 @@ class UdpTransport(Transport):
         """
         if self._sock is None:
             return False
-        if self._addrs.get(dst) or self._resolve(dst):
+        if self._addrs.get(dst) or self._names.resolve(dst):
             return True
-        task = self._resolving.get(dst)
+        task = self._names.resolving.get(dst)
         if task is None:
             return False
         deadline = self.clock.now() + timeout_s
@@ -495,5 +430,4 @@ class UdpTransport(Transport):
 
     def forget(self, dst: str) -> None:
         """Drop ``dst``'s cached address (a departed peer's name may move)."""
-        self._addrs.pop(dst, None)
-        self._failed.pop(dst, None)
+        self._names.forget(dst)
