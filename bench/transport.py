@@ -415,7 +415,8 @@ def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
         spread = f"{min(r.goodput_mbs for r in runs):.0f}..{max(r.goodput_mbs for r in runs):.0f}"
         pps = statistics.median(r.packets_per_s for r in runs)
         cpu_mb = statistics.median(r.cpu_s_per_mb for r in runs)
-        gso = ("on" if case.gso else "off") if case.backend == "udp" else "-"
+        batched = case.backend == "udp" and not case.variant.startswith("raw")
+        gso = ("on" if case.gso else "off") if batched else "-"
         print(
             f"{case.backend:7} {case.variant:15} {gso:>3} {case.payload_bytes:>8} {mbs:9.1f} "
             f"{spread:>15} {ratio:7.2f} {loss:6.1f} {retries:8d} {pps:8.0f} {cpu_mb:8.4f} "

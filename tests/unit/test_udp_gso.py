@@ -37,6 +37,11 @@ from gossipnet.transport.udp.sender import BatchSender
 LIMIT = 65507
 
 
+def _submit(batch: BatchSender, addr: str, datagram: bytes, *, urgent: bool = False) -> bool:
+    """``batch.submit`` with the frame bytes send() passes along (one frame: 5 bytes of framing)."""
+    return batch.submit(addr, datagram, len(datagram) - 5, urgent=urgent)
+
+
 def _framed(payload: bytes) -> bytes:
     """One datagram in the backend's framing, one frame."""
     return struct.pack(">BI", 1, len(payload)) + payload
@@ -146,11 +151,11 @@ def test_refused_gso_resends_the_batch_plainly_logs_once_and_stays_off(
     packets = [_framed(bytes([i]) * 1000) for i in range(10)]
     with caplog.at_level(logging.INFO, logger="gossipnet.transport.udp.sender"):
         for data in packets[:5]:
-            assert batch.submit("a", data)
+            assert _submit(batch, "a", data)
         batch.flush_all()
         sock.refuse = None  # would work now, but the verdict is once per socket
         for data in packets[5:]:
-            assert batch.submit("a", data)
+            assert _submit(batch, "a", data)
         batch.flush_all()
     assert [c[0] for c in sock.calls] == ["sendto"] * 10
     assert [c[1][0] for c in sock.calls] == packets  # nothing lost, order kept
@@ -165,11 +170,11 @@ def test_large_segments_refused_keep_gso_for_small_ones() -> None:
     sock = FakeSocket(refuse=errno.EINVAL)
     batch, stats = _sender(sock)
     for _ in range(3):
-        batch.submit("a", _framed(b"L" * 8000))
+        _submit(batch, "a", _framed(b"L" * 8000))
     batch.flush_all()
     sock.refuse = None
     for _ in range(3):
-        batch.submit("a", _framed(b"s" * 1000))
+        _submit(batch, "a", _framed(b"s" * 1000))
     batch.flush_all()
     assert [(c[0], len(c[1])) for c in sock.calls] == [("sendto", 1)] * 3 + [("sendmsg", 3)]
     assert sock.calls[-1][2] == 1005
@@ -181,11 +186,11 @@ def test_a_full_batch_leaves_at_once_and_urgent_keeps_the_order() -> None:
     sock = FakeSocket()
     batch, stats = _sender(sock)
     for i in range(MAX_SEGMENTS):
-        batch.submit("a", _framed(bytes([i]) * 100))
+        _submit(batch, "a", _framed(bytes([i]) * 100))
     assert [(c[0], len(c[1])) for c in sock.calls] == [("sendmsg", MAX_SEGMENTS)]
-    batch.submit("a", _framed(b"d" * 100))
-    batch.submit("b", _framed(b"other" * 20))
-    batch.submit("a", _framed(b"hb"), urgent=True)  # flushes "a" first, not "b"
+    _submit(batch, "a", _framed(b"d" * 100))
+    _submit(batch, "b", _framed(b"other" * 20))
+    _submit(batch, "a", _framed(b"hb"), urgent=True)  # flushes "a" first, not "b"
     assert [c[1] for c in sock.calls[1:]] == [[_framed(b"d" * 100)], [_framed(b"hb")]]
     batch.flush_all()
     assert sock.calls[-1][1] == [_framed(b"other" * 20)]
@@ -199,13 +204,13 @@ def test_paced_batches_are_charged_at_once_and_bounded_in_packets() -> None:
     batch, stats = _sender(sock, pacer)
     pacer._emit = batch.emit
     datagrams = [_framed(bytes([i]) * 500) for i in range(20)]
-    assert all(batch.submit("a", d) for d in datagrams[:12])
+    assert all(_submit(batch, "a", d) for d in datagrams[:12])
     batch.flush_all()
     # one batch of 12 left at once (the bucket had tokens): one call, all bytes charged
     assert [(c[0], len(c[1])) for c in sock.calls] == [("sendmsg", 12)]
     assert pacer._tokens == pytest.approx(2_000 - 12 * (505 + WIRE_OVERHEAD_BYTES))
     # now the bucket is in debt: these wait, bounded by 16 packets (queued + pending)
-    later = [batch.submit("a", d) for d in datagrams]
+    later = [_submit(batch, "a", d) for d in datagrams]
     assert later == [True] * 16 + [False] * 4
     assert stats.dropped_queue_full == 4
     batch.flush_all()
@@ -224,10 +229,10 @@ def test_pacer_discard_at_close_counts_batches_as_dropped() -> None:
     batch, stats = _sender(sock, pacer)
     pacer._emit = batch.emit
     for _ in range(2):
-        batch.submit("a", _framed(b"z" * 100))  # the first leaves (bucket > 0), then one batch
+        _submit(batch, "a", _framed(b"z" * 100))  # the first leaves (bucket > 0), then one batch
     batch.flush_all()
     for _ in range(3):
-        batch.submit("a", _framed(b"z" * 100))
+        _submit(batch, "a", _framed(b"z" * 100))
     batch.flush_all()
     assert pacer.queued == 3
     batch.discarded(pacer.discard())

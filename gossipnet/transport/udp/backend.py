@@ -381,7 +381,7 @@ class UdpTransport(Transport):
             return False
         data = b"".join([_HEADERS[count].pack(count, *lengths), *frames])
         if self._batch is not None:
-            return self._batch.submit(addr, data, urgent=urgent)
+            return self._batch.submit(addr, data, nbytes, urgent=urgent)
         if self._pacer is None:
             return self._emit(addr, data)
         if not self._pacer.submit(addr, data, urgent=urgent):

@@ -94,8 +94,9 @@ class BatchSender:
         self._pending: dict[Hashable, list[bytes]] = {}
         self._scheduled = False
 
-    def submit(self, addr: Hashable, data: bytes, *, urgent: bool = False) -> bool:
-        """Accept one framed datagram for ``addr`` (counted sent now); False = dropped.
+    def submit(self, addr: Hashable, data: bytes, nbytes: int, *, urgent: bool = False) -> bool:
+        """Accept one framed datagram of ``nbytes`` frame bytes for ``addr`` (counted
+        sent now); False = dropped.
 
         Refuses (``dropped_queue_full``) only when pacing and ``addr``'s pacing
         queue plus what waits here reach the pacer's bound.
@@ -108,7 +109,7 @@ class BatchSender:
                 stats.dropped_queue_full += 1
                 return False
         stats.sent_packets += 1
-        stats.sent_bytes += payload_bytes(data)
+        stats.sent_bytes += nbytes
         if urgent:
             if pending:
                 self._flush(addr)
