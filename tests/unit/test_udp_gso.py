@@ -95,6 +95,10 @@ def test_gso_state_reads_refusals() -> None:
     assert state.max_segment == LIMIT
     assert state.refused(8200, errno.EINVAL)  # above an Ethernet MTU: that size only
     assert state.max_segment == 8199
+    assert state.refused(4000, errno.EMSGSIZE)  # Linux 6.x says EMSGSIZE above the MTU
+    assert state.max_segment == 3999
+    assert state.refused(1400, errno.EMSGSIZE)  # a tunnel's smaller MTU: still that size only
+    assert state.max_segment == 1399
     assert state.refused(1000, errno.EIO)  # no checksum offload: off for the socket
     assert state.max_segment == 0
 
@@ -166,8 +170,11 @@ def test_refused_gso_resends_the_batch_plainly_logs_once_and_stays_off(
     assert len([r for r in caplog.records if "refused UDP GSO" in r.getMessage()]) == 1
 
 
-def test_large_segments_refused_keep_gso_for_small_ones() -> None:
-    sock = FakeSocket(refuse=errno.EINVAL)
+@pytest.mark.parametrize("err", [errno.EMSGSIZE, errno.EINVAL])
+def test_large_segments_refused_keep_gso_for_small_ones(err: int) -> None:
+    """The testbed's veth at MTU 1500 refuses 8000-byte segments (EMSGSIZE on 6.x):
+    those datagrams go one per call (IP fragments them), nothing is dropped."""
+    sock = FakeSocket(refuse=err)
     batch, stats = _sender(sock)
     for _ in range(3):
         _submit(batch, "a", _framed(b"L" * 8000))

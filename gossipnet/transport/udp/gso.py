@@ -17,8 +17,11 @@ accordingly, keeping their order.
 A device without checksum offload (or a kernel without GSO) refuses the
 first ``sendmsg`` with EIO/EINVAL/EOPNOTSUPP; the backend then sends that
 batch and every later one a datagram at a time (``GSO_REFUSED``).  A
-segment above the path MTU is refused with EINVAL too (GSO cannot fragment):
-that disables GSO for that size and larger only (``GsoState``).
+segment above the device's MTU is refused too (GSO cannot fragment; EMSGSIZE
+on Linux 6.x, EINVAL before): that disables GSO for that size and larger only,
+and those datagrams go one per call, fragmented by IP as before (``GsoState``;
+measured on the testbed's veth at MTU 1500: 8000-byte datagrams were all lost
+as EMSGSIZE until this rule).
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ UDP_SEGMENT = getattr(socket, "UDP_SEGMENT", 103)
 UDP_GRO = getattr(socket, "UDP_GRO", 104)
 #: Segments per ``sendmsg`` (``UDP_MAX_SEGMENTS``; 128 since Linux 6.9, 64 before).
 MAX_SEGMENTS = 64
-#: Errors by which a socket or device says it cannot segment at all.
-GSO_REFUSED = frozenset({errno.EINVAL, errno.EIO, errno.ENOTSUP, errno.EOPNOTSUPP})
+#: Errors by which a socket or device refuses to segment (at all, or at that size).
+GSO_REFUSED = frozenset({errno.EINVAL, errno.EIO, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMSGSIZE})
 #: Largest segment that fits a 1500-byte MTU (IPv4 20 + UDP 8): an EINVAL for a
 #: segment above it is read as "above the path MTU", not "no GSO here".
 _ETHERNET_SEGMENT = 1472
@@ -103,7 +106,8 @@ class GsoState:
         """
         if err not in GSO_REFUSED:
             return False
-        if err == errno.EINVAL and segment > _ETHERNET_SEGMENT:
+        if err == errno.EMSGSIZE or (err == errno.EINVAL and segment > _ETHERNET_SEGMENT):
+            # above the MTU: smaller segments may still go batched
             self.max_segment = min(self.max_segment, segment - 1)
         else:
             self.max_segment = 0

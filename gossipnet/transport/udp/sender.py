@@ -201,8 +201,8 @@ class BatchSender:
             )
         else:
             _log.info(
-                "%s: UDP GSO refused for %d-byte segments (%s, above the path MTU?); "
-                "larger datagrams go one per call",
+                "%s: UDP GSO refused for %d-byte segments (%s: above the MTU); "
+                "datagrams that large go one per call",
                 self._name,
                 segment,
                 err,
