@@ -43,7 +43,9 @@ and ``lossless_vs_gloo_cpu`` is the same ratio in CPU seconds (all threads of
 the 4 processes during the call): on a shared machine wall time stretches with
 other programs' load, CPU time hardly does.
 
-Knobs: ``--chunk-kib 256 1024`` (extra chunk_bytes rows), ``--set KEY=VALUE``
+Knobs: ``--udp`` (rows over the UDP backend on udp:// loopback, 1 KiB and 8 KiB
+chunks, with GSO/GRO batching on and, where the library has ``Config.udp_gso``,
+off), ``--chunk-kib 256 1024`` (extra chunk_bytes rows), ``--set KEY=VALUE``
 (a Config override for every gossipnet row), ``--sizes``, ``--reps``,
 ``--reorder 0.2`` (a row where 20% of packets arrive 5 ms behind later ones and
 none is lost: an END marker that overtakes data waits for it once the engine has
@@ -88,6 +90,7 @@ class Case:
     loss: float = 0.0
     overrides: dict[str, Any] = field(default_factory=dict)  # gossipnet.Config fields
     reorder: float = 0.0  # FaultPlan.reorder: packets delayed 5 ms behind later ones
+    scheme: str = "tcp"  # the peers' addresses: tcp:// (ZeroMQ) or udp:// (UDP backend)
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ def _gossipnet(
     """
     import gossipnet
 
-    addresses = [f"tcp://127.0.0.1:{p}" for p in ports]
+    addresses = [f"{case.scheme}://127.0.0.1:{p}" for p in ports]
     net = gossipnet.join(
         addresses,
         addresses[rank],
@@ -313,6 +316,7 @@ def build_plan(
     profile_dir: str | None,
     reorder: float = 0.0,
     parity: int = 0,
+    udp: bool = False,
 ) -> Plan:
     """The preset: gloo, gossipnet default and per extra chunk size, each at 0% and 10%;
     with ``reorder`` > 0 also the default under that reordering and no loss; with
@@ -328,11 +332,31 @@ def build_plan(
     if parity:
         over = {"parity_group": parity}
         cases.append(Case(f"{DEFAULT} parity 1/{parity} loss 10%", "gossipnet", LOSS, over))
+    if udp:
+        cases += _udp_cases()
     if quick:
         sizes, warmup, reps, timeout_s = (1 << 20, 4 << 20), 2, 4, 5.0
     else:
         sizes, warmup, reps, timeout_s = (1 << 20, 25 << 20), 2, 9, 30.0
     return Plan(sizes, warmup, reps, timeout_s, tuple(cases), profile_dir)
+
+
+def _udp_cases() -> list[Case]:
+    """``--udp``: the default row over the UDP backend on loopback, at its 1 KiB chunks and
+    at 8 KiB (the testbed's), each with GSO/GRO batching (``Config.udp_gso``) on and off
+    (the off rows only where the library has the switch, so older checkouts run too)."""
+    import gossipnet
+
+    has_gso = "udp_gso" in gossipnet.Config.__dataclass_fields__
+    cases = []
+    for label, over in (("", {}), (" chunk 8K", {"chunk_bytes": 8192})):
+        cases.append(Case(f"{DEFAULT} udp{label}", "gossipnet", overrides=over, scheme="udp"))
+        if has_gso:
+            off = {**over, "udp_gso": False}
+            cases.append(
+                Case(f"{DEFAULT} udp{label} gso off", "gossipnet", overrides=off, scheme="udp")
+            )
+    return cases
 
 
 def _cell(rows: list[Row]) -> dict[str, Any]:
@@ -473,6 +497,11 @@ def main(argv: list[str] | None = None) -> None:
         help="add a 10%%-loss row with Config.parity_group=K (one XOR parity per K packets)",
     )
     parser.add_argument(
+        "--udp",
+        action="store_true",
+        help="add rows over udp:// loopback (1 KiB and 8 KiB chunks, GSO/GRO on and off)",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -492,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
         help="cProfile rank 0's calls and event-loop thread per gossipnet row",
     )
     args = parser.parse_args(argv)  # fmt: skip
-    plan = build_plan(args.quick, args.chunk_kib, args.profile, args.reorder, args.parity)
+    plan = build_plan(args.quick, args.chunk_kib, args.profile, args.reorder, args.parity, args.udp)
     extra = dict(_override(kv) for kv in args.set)
     cases = tuple(
         dataclasses.replace(c, overrides={**extra, **c.overrides})

@@ -5,7 +5,7 @@ the socket under them.  This bench sends N packets of the wire shape
 ``[header 80 B, payload, mac 16 B]`` from one process to another and
 measures, at the receiver, payload bytes received / (last - first arrival).
 
-Rows, per payload size (ZeroMQ: 1 KiB and 64 KiB; UDP: 1 KiB and 32 KiB):
+Rows, per payload size (ZeroMQ: 1 KiB and 64 KiB; UDP: 1 KiB, 8 KiB and 32 KiB):
   raw            pyzmq PUSH/PULL ``send_multipart`` (copying, as for a mutable
                  tensor buffer) / a plain UDP socket with the same datagram size
   raw-zc         pyzmq zero-copy send (``copy=False``) of an immutable ``bytes``
@@ -15,6 +15,15 @@ Rows, per payload size (ZeroMQ: 1 KiB and 64 KiB; UDP: 1 KiB and 32 KiB):
   gossipnet-zc   the same with a ``bytes`` payload, which ZmqTransport sends
                  without a copy (compare with raw-zc)
   gossipnet+wire the same plus ``WireCodec.encode``/``decode`` (HMAC per packet)
+
+UDP's gossipnet rows run twice: ``gso`` column ``on`` (``Config.udp_gso``: GSO
+batches on send, GRO reads; the ``path`` column says what the kernel allowed,
+sender/receiver) and ``off`` (one datagram per system call, as before #21).
+``pkt/s`` is packets received per second; ``CPU s/MB`` is the CPU seconds both
+processes spent (sender: its send loop; receiver: first to last packet) per
+MB of payload received, the figure that matters on a busy machine.  Run with
+another checkout's library first on ``PYTHONPATH`` to measure it with this bench
+(its rows then show ``path`` ``plain``).
 
 Senders go as fast as they can.  ZeroMQ is lossless once a packet is queued;
 gossipnet's sender retries a dropped packet after 1 ms (``send`` never blocks).
@@ -60,6 +69,7 @@ class Case:
     payload_bytes: int
     packets: int
     uvloop: bool
+    gso: bool = True  # UDP gossipnet rows: Config.udp_gso
 
 
 @dataclass
@@ -69,6 +79,20 @@ class Result:
     first_s: float = 0.0
     last_s: float = 0.0
     sender_retries: int = 0
+    cpu_first_s: float = 0.0  # receiver's process CPU time at the first and last packet
+    cpu_last_s: float = 0.0
+    sender_cpu_s: float = 0.0
+    path: str = "-"  # "sender/receiver" UDP path (gso+gro, plain, ...)
+
+    @property
+    def cpu_s_per_mb(self) -> float:
+        cpu = self.cpu_last_s - self.cpu_first_s + self.sender_cpu_s
+        return cpu / (self.payload_bytes / 1e6) if self.payload_bytes else float("nan")
+
+    @property
+    def packets_per_s(self) -> float:
+        span = self.last_s - self.first_s
+        return self.packets / span if span > 0 and self.packets > 1 else 0.0
 
     @property
     def goodput_mbs(self) -> float:
@@ -79,7 +103,10 @@ class Result:
 def _config(case: Case) -> Any:
     from gossipnet.config import Config
 
-    return Config(chunk_bytes=case.payload_bytes, udp_socket_buffer_bytes=8 << 20)
+    cfg = Config(chunk_bytes=case.payload_bytes, udp_socket_buffer_bytes=8 << 20)
+    if "udp_gso" in Config.__dataclass_fields__:  # absent before #21: plain path only
+        cfg = cfg.replace(udp_gso=case.gso)
+    return cfg
 
 
 def _run(case: Case, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
@@ -111,6 +138,7 @@ def _receive(case: Case, addr_q: Queue[str]) -> Result:
 
         def on_packet(frames: list[memoryview]) -> None:
             now = time.perf_counter()
+            cpu = time.process_time()
             if codec is not None:
                 pkt = codec.decode(frames)
                 if pkt is None:
@@ -119,8 +147,8 @@ def _receive(case: Case, addr_q: Queue[str]) -> Result:
             else:
                 size = frames[1].nbytes
             if res.packets == 0:
-                res.first_s = now
-            res.last_s = now
+                res.first_s, res.cpu_first_s = now, cpu
+            res.last_s, res.cpu_last_s = now, cpu
             res.packets += 1
             res.payload_bytes += size
             if res.packets == case.packets and not done.done():
@@ -134,6 +162,7 @@ def _receive(case: Case, addr_q: Queue[str]) -> Result:
             idle_s = time.perf_counter() - res.last_s
             if case.backend == "udp" and res.packets and idle_s > IDLE_S:
                 break
+        res.path = getattr(t, "path", "plain") if case.backend == "udp" else "-"
         await t.close()
 
     _run(case, main)
@@ -185,18 +214,23 @@ def _raw_udp_recv(case: Case, addr_q: Queue[str], res: Result) -> None:
 
 
 # ---------------------------------------------------------------------- senders
-def _send(case: Case, addr: str, release: Event) -> int:
-    """Send ``case.packets`` packets to ``addr``; returns gossipnet's drop-and-retry count."""
+def _send(case: Case, addr: str, release: Event) -> tuple[int, float, str]:
+    """Send ``case.packets`` packets to ``addr``.
+
+    Returns gossipnet's drop-and-retry count, the CPU seconds of the send loop
+    and the sender's UDP path.
+    """
     payload: Any = memoryview(bytearray(b"p" * case.payload_bytes))  # mutable, like a tensor
     if case.variant.endswith("-zc"):
         payload = b"p" * case.payload_bytes  # immutable: safe to send without a copy
     if case.variant.startswith("raw"):
+        cpu0 = time.process_time()
         _raw_send(case, addr, payload, release)
-        return 0
-    retries = 0
+        return 0, time.process_time() - cpu0, "-"
+    retries, cpu_s, path = 0, 0.0, "-"
 
     async def main() -> None:
-        nonlocal retries
+        nonlocal retries, cpu_s, path
         from gossipnet.transport import create_transport
 
         cfg = _config(case)
@@ -210,17 +244,21 @@ def _send(case: Case, addr: str, release: Event) -> int:
 
             codec = WireCodec(b"bench", cfg, "sender")
             encode = lambda i: codec.encode(LossyKind.RS_DATA, {"c": i}, payload)  # noqa: E731
+        cpu0 = time.process_time()
         for i in range(case.packets):
             frames = encode(i)
             # send() never blocks and has no "writable" event: back off and retry.
             while not t.send(addr, frames):  # noqa: ASYNC110
                 await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # the batched path flushes at the end of the loop turn
+        cpu_s = time.process_time() - cpu0
+        path = getattr(t, "path", "plain") if case.backend == "udp" else "-"
         retries = t.stats.dropped_queue_full
         await asyncio.to_thread(release.wait)  # closing (linger 0) would discard the queue
         await t.close()
 
     _run(case, main)
-    return retries
+    return retries, cpu_s, path
 
 
 def _raw_send(case: Case, addr: str, payload: Any, release: Event) -> None:
@@ -253,7 +291,9 @@ def _receiver_worker(cases: Queue[Case | None], addr_q: Queue[str], out: Queue[R
         out.put(_receive(case, addr_q))
 
 
-def _sender_worker(jobs: Queue[tuple[Case, str] | None], release: Event, out: Queue[int]) -> None:
+def _sender_worker(
+    jobs: Queue[tuple[Case, str] | None], release: Event, out: Queue[tuple[int, float, str]]
+) -> None:
     while (job := jobs.get()) is not None:
         out.put(_send(job[0], job[1], release))
 
@@ -284,7 +324,7 @@ def run_cases(
     tx_q: Queue[tuple[Case, str] | None] = ctx.Queue()
     addr_q: Queue[str] = ctx.Queue()
     rx_out: Queue[Result] = ctx.Queue()
-    tx_out: Queue[int] = ctx.Queue()
+    tx_out: Queue[tuple[int, float, str]] = ctx.Queue()
     release = ctx.Event()
     procs: list[mp.process.BaseProcess] = [
         ctx.Process(target=_receiver_worker, args=(rx_q, addr_q, rx_out), name="receiver"),
@@ -305,7 +345,9 @@ def run_cases(
                 tx_q.put((case, _get(addr_q, procs, 60)))
                 res = _get(rx_out, procs, 120)
                 release.set()
-                res.sender_retries = _get(tx_out, procs, 60)
+                res.sender_retries, res.sender_cpu_s, tx_path = _get(tx_out, procs, 60)
+                if case.backend == "udp" and not case.variant.startswith("raw"):
+                    res.path = f"{tx_path}/{res.path}"
                 results.append((case, res))
     finally:
         rx_q.put(None)
@@ -330,12 +372,14 @@ def build_cases(quick: bool, use_uvloop: bool) -> list[Case]:
     small, large = (30_000, 6_000) if quick else (200_000, 40_000)
     wire = ["gossipnet+wire"] if _wire_available() else []
     one_round = []
-    for backend, sizes in (("zmq", (1024, 65536)), ("udp", (1024, 32768))):
+    for backend, sizes in (("zmq", (1024, 65536)), ("udp", (1024, 8192, 32768))):
         for size in sizes:
             zc = ["raw-zc", "gossipnet-zc"] if backend == "zmq" and size > 1024 else []
+            packets = small if size <= 1024 else large
             for variant in ["raw", "gossipnet", *zc, *wire]:
-                packets = small if size <= 1024 else large
                 one_round.append(Case(backend, variant, size, packets, use_uvloop))
+                if backend == "udp" and variant != "raw":  # the same with GSO/GRO off
+                    one_round.append(Case(backend, variant, size, packets, use_uvloop, gso=False))
     return one_round
 
 
@@ -358,8 +402,8 @@ def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
         if c.variant.startswith("raw")
     }
     print(
-        f"{'backend':7} {'variant':15} {'payload':>8} {'MB/s':>9} {'min..max':>15} "
-        f"{'vs raw*':>7} {'loss%':>6} {'retries':>8}"
+        f"{'backend':7} {'variant':15} {'gso':>3} {'payload':>8} {'MB/s':>9} {'min..max':>15} "
+        f"{'vs raw*':>7} {'loss%':>6} {'retries':>8} {'pkt/s':>8} {'CPU s/MB':>8} path"
     )
     summary: dict[str, Any] = {"rounds": min(len(runs) for runs in by_case.values()), "rows": []}
     for case, runs in by_case.items():
@@ -369,15 +413,22 @@ def report(results: list[tuple[Case, Result]]) -> dict[str, Any]:
         loss = 100.0 * (1 - sum(r.packets for r in runs) / (case.packets * len(runs)))
         retries = sum(r.sender_retries for r in runs) // len(runs)
         spread = f"{min(r.goodput_mbs for r in runs):.0f}..{max(r.goodput_mbs for r in runs):.0f}"
+        pps = statistics.median(r.packets_per_s for r in runs)
+        cpu_mb = statistics.median(r.cpu_s_per_mb for r in runs)
+        batched = case.backend == "udp" and not case.variant.startswith("raw")
+        gso = ("on" if case.gso else "off") if batched else "-"
         print(
-            f"{case.backend:7} {case.variant:15} {case.payload_bytes:>8} {mbs:9.1f} "
-            f"{spread:>15} {ratio:7.2f} {loss:6.1f} {retries:8d}"
+            f"{case.backend:7} {case.variant:15} {gso:>3} {case.payload_bytes:>8} {mbs:9.1f} "
+            f"{spread:>15} {ratio:7.2f} {loss:6.1f} {retries:8d} {pps:8.0f} {cpu_mb:8.4f} "
+            f"{runs[0].path}"
         )
         summary["rows"].append({**asdict(case), "goodput_mbs": round(mbs, 1),
-                                "vs_raw": round(ratio, 3), "loss_pct": round(loss, 2)})  # fmt: skip
+                                "vs_raw": round(ratio, 3), "loss_pct": round(loss, 2),
+                                "pkt_s": round(pps), "cpu_s_per_mb": round(cpu_mb, 5),
+                                "path": runs[0].path})  # fmt: skip
         key = {("zmq", 65536): "zmq", ("udp", 32768): "udp"}.get((case.backend, case.payload_bytes))
         suffix = {"gossipnet": "", "gossipnet-zc": "_zc", "gossipnet+wire": "_wire"}
-        if key and case.variant in suffix:
+        if key and case.variant in suffix and case.gso:
             summary[f"{key}{suffix[case.variant]}_vs_raw"] = round(ratio, 3)
     return summary
 

@@ -37,6 +37,12 @@ class Config:
         udp_pace_mbps: pace UDP sends to this many Mbit/s of wire bytes (token bucket,
             destinations served in turn); ``None`` sends at once.  Set it to the
             link's rate when a slower link or shaper would tail-drop bursts.
+        udp_gso: send the datagrams one loop iteration queues for a destination in
+            few system calls (``UDP_SEGMENT``, generic segmentation offload) and read
+            coalesced datagrams (``UDP_GRO``), each datagram still one packet MAC'd on
+            its own; a socket whose kernel or device refuses either falls back to one
+            datagram per call, detected once (``UdpTransport.path`` says which runs).
+            False forces the one-datagram-per-call path.
         use_uvloop: run the event loop on uvloop when it is installed.
         tune_malloc: on glibc, keep large allocations on the heap and freed memory
             mapped (``gossipnet.runtime._malloc``): received messages then stop costing
@@ -121,6 +127,7 @@ class Config:
     recv_queue_packets: int = 8192
     udp_socket_buffer_bytes: int = 8 * 1024 * 1024
     udp_pace_mbps: float | None = None
+    udp_gso: bool = True
     use_uvloop: bool = True
     tune_malloc: bool = True
     local_ipc: bool = True
@@ -184,6 +191,8 @@ class Config:
             raise ConfigError(
                 f"Config.udp_pace_mbps must be > 0 or None, got {self.udp_pace_mbps!r}"
             )
+        if not isinstance(self.udp_gso, bool):
+            raise ConfigError(f"Config.udp_gso must be True or False, got {self.udp_gso!r}")
         if self.mac not in ("aes-gmac", "hmac-sha256", "blake2b"):
             raise ConfigError(
                 f"Config.mac must be 'aes-gmac', 'hmac-sha256' or 'blake2b', got {self.mac!r}"

@@ -1,7 +1,8 @@
 """Every transport backend passes the public conformance suite.
 
 The suite is :mod:`gossipnet.testing.conformance`; here it runs on memory,
-ZeroMQ over tcp, ipc and inproc, UDP, and the fault wrapper with no faults
+ZeroMQ over tcp, ipc and inproc, UDP (batched with GSO/GRO, forced to one
+datagram per call, and paced), and the fault wrapper with no faults
 (around the memory network), one test per (backend, check), so a failure names
 both.  Socket backends bind 127.0.0.1 port 0 or a fresh ipc path.
 """
@@ -101,9 +102,10 @@ def _zmq_inproc() -> TransportSpec:
     )
 
 
-def _udp() -> TransportSpec:
+def _udp(config: Config | None = None) -> TransportSpec:
+    """UDP with GSO/GRO where the kernel allows (the default), or forced off."""
     return TransportSpec(
-        make=lambda: create_transport("udp://127.0.0.1:0", Config()),
+        make=lambda: create_transport("udp://127.0.0.1:0", config or Config()),
         unbound_address=lambda: f"udp://127.0.0.1:{_free_udp_port()}",
         timeout_s=CHECK_TIMEOUT_S,
         send_malformed=_udp_garbage,
@@ -117,6 +119,8 @@ BACKENDS: dict[str, Callable[[], TransportSpec]] = {
     "zmq-ipc": _zmq_ipc,
     "zmq-inproc": _zmq_inproc,
     "udp": _udp,
+    "udp-plain": lambda: _udp(Config(udp_gso=False)),
+    "udp-paced": lambda: _udp(Config(udp_pace_mbps=1000.0)),
 }
 
 

@@ -260,13 +260,45 @@ def test_udp_kernel_buffer_full_drops_and_counts() -> None:
             raise OSError(self.err, os.strerror(self.err))
 
     async def main() -> None:
-        async with pair(LISTEN["udp"]) as (tx, rx, _):
+        async with pair(LISTEN["udp"], Config(udp_gso=False)) as (tx, rx, _):
             real = tx._sock  # type: ignore[attr-defined]
             for err in (errno.EAGAIN, errno.ENOBUFS):
                 tx._sock = FullSocket(real, err)  # type: ignore[attr-defined]
                 assert not tx.send(rx.address, [b"x"])
             tx._sock = real  # type: ignore[attr-defined]
             assert tx.stats.dropped_queue_full == 2
+
+    run(main())
+
+
+def test_udp_batched_kernel_refusal_moves_accepted_packets_to_drops() -> None:
+    """With GSO batching, send() accepts; the kernel's EAGAIN/ENOBUFS at the flush
+    (one sendmsg for a batch, sendto for a lone datagram) moves those packets from
+    sent to dropped_queue_full, so each is still counted exactly once."""
+
+    class FullSocket:
+        def __init__(self, err: int) -> None:
+            self.err = err
+
+        def sendto(self, data: bytes, addr: Any) -> int:
+            raise OSError(self.err, os.strerror(self.err))
+
+        def sendmsg(self, *args: Any) -> int:
+            raise OSError(self.err, os.strerror(self.err))
+
+    async def main() -> None:
+        async with pair(LISTEN["udp"]) as (tx, rx, _):
+            batch = tx._batch  # type: ignore[attr-defined]
+            real = batch._sock
+            for count, err in ((3, errno.EAGAIN), (1, errno.ENOBUFS)):
+                batch._sock = FullSocket(err)
+                assert all(tx.send(rx.address, [b"x" * 8]) for _ in range(count))
+                assert tx.stats.sent_packets == count
+                batch.flush_all()
+            batch._sock = real
+            assert tx.stats.sent_packets == tx.stats.sent_bytes == 0
+            assert tx.stats.dropped_queue_full == 4
+            assert tx.path == "gso+gro"  # a full buffer is not a refusal of GSO
 
     run(main())
 

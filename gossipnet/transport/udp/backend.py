@@ -1,4 +1,4 @@
-"""UDP backend: one datagram per packet, drops when the kernel says no.
+"""UDP backend: one datagram per packet, many per system call, drops when the kernel says no.
 
 Framing: a packet's frames travel as ONE datagram,
 ``[count: u8][len_1 .. len_count: u32 big-endian][frame_1 .. frame_count]``.
@@ -23,20 +23,25 @@ per destination, instead of overflowing a slower link's queue.
 ``default_chunk_bytes`` is 1024 so that header + MAC + framing + payload fit a
 1500-byte Ethernet MTU without IP fragmentation (a lost fragment loses the
 whole datagram).  Loopback benchmarks may set ``Config.chunk_bytes=32768``.
+
+With ``Config.udp_gso`` (the default) a socket sends a loop iteration's
+datagrams to one destination as few ``sendmsg`` calls with ``UDP_SEGMENT``
+and reads coalesced datagrams with ``UDP_GRO`` (:mod:`.gso`, :mod:`.sender`
+say why and how); each datagram is still one packet, MAC'd on its own.
+Where the kernel refuses either, that socket uses the plain path below,
+detected once; :attr:`UdpTransport.path` says which is live.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import ipaddress
 import logging
 import socket
 import struct
 import sys
 from collections.abc import Sequence
-from typing import ClassVar, cast
+from typing import ClassVar
 
 from gossipnet.clock import Clock, MonotonicClock
 from gossipnet.config import Config
@@ -48,7 +53,16 @@ from gossipnet.transport.address import (
     split_host_port,
 )
 from gossipnet.transport.base import Buffer, PacketHandler, Transport
+from gossipnet.transport.udp.gso import (
+    GRO_ANCILLARY_BYTES,
+    PathStats,
+    enable_gro,
+    gro_segment_size,
+    split_segments,
+)
 from gossipnet.transport.udp.pacing import Pacer, default_burst_bytes
+from gossipnet.transport.udp.resolve import Resolver, SockAddr
+from gossipnet.transport.udp.sender import BatchSender, count_send_error, payload_bytes
 
 __all__ = ("UdpTransport",)
 
@@ -61,13 +75,10 @@ _MAX_FRAMES = 255
 _FRAMING_FRAMES = 4
 #: Datagrams read per readiness callback before yielding to other loop work.
 _DRAIN_BATCH = 256
-#: Seconds before a failed name resolution is tried again.
-_RESOLVE_RETRY_S = 1.0
 _MAX_PACKET_BYTES = MAX_DATAGRAM_BYTES - 1 - 4 * _FRAMING_FRAMES
 _HEADERS = [struct.Struct(f">B{n}I") for n in range(_MAX_FRAMES + 1)]
-_QUEUE_FULL_ERRNOS = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS})
-
-SockAddr = tuple[str, int] | tuple[str, int, int, int]
+#: A coalesced (GRO) read holds at most one IP datagram's worth (64 KiB).
+_GRO_READ_BYTES = 65536
 
 
 #: Linux's SO_SNDBUFFORCE/SO_RCVBUFFORCE (absent from the socket module): with
@@ -96,7 +107,7 @@ def _set_buffer(sock: socket.socket, opt: int, size: int) -> None:
         sock.setsockopt(socket.SOL_SOCKET, opt, size)
 
 
-def parse_datagram(data: bytes) -> list[memoryview] | None:
+def parse_datagram(data: bytes | memoryview) -> list[memoryview] | None:
     """Split one datagram into frames (views of ``data``); None if the framing is broken."""
     size = len(data)
     if size == 0:
@@ -122,7 +133,8 @@ class UdpTransport(Transport):
     Args:
         config: reads ``udp_socket_buffer_bytes`` (SO_RCVBUF and SO_SNDBUF, best
             effort: the kernel caps them at ``net.core.rmem_max``/``wmem_max``),
-            ``udp_pace_mbps`` and ``send_queue_packets`` (pacing, off when None).
+            ``udp_pace_mbps`` and ``send_queue_packets`` (pacing, off when None),
+            ``udp_gso`` (batched system calls where the kernel allows).
         listen: where to bind; port 0 picks a free port.
         clock: times the retry of failed name resolutions and the pacing.
         advertise_host: host put in :attr:`address` when ``listen`` binds a
@@ -158,15 +170,26 @@ class UdpTransport(Transport):
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._v6 = False
-        self._addrs: dict[str, SockAddr] = {}  # dst URL -> resolved socket address
-        self._failed: dict[str, float] = {}  # dst URL -> clock time its lookup failed
-        self._resolving: dict[str, asyncio.Task[SockAddr | None]] = {}
+        self._names = Resolver(self.clock)
+        self._addrs = self._names.addrs  # dst URL -> socket address: the hot path's lookup
         self._closed = False
         self._pacer: Pacer | None = None
+        self._batch: BatchSender | None = None
+        #: Which path this socket uses and its system calls; see :attr:`path`.
+        self.path_stats = PathStats()
 
     @property
     def max_packet_bytes(self) -> int:
         return _MAX_PACKET_BYTES
+
+    @property
+    def path(self) -> str:
+        """The live path: ``"gso+gro"``, ``"gso"``, ``"gro"`` or ``"plain"``.
+
+        Before :meth:`start`, ``"plain"``; GSO may turn off later, at the first
+        batch the kernel refuses (logged once at INFO).
+        """
+        return self.path_stats.path
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, handler: PacketHandler) -> str:
@@ -201,6 +224,26 @@ class UdpTransport(Transport):
         if self._host in WILDCARD_HOSTS:
             host = self._advertise_host or "127.0.0.1"
         self._sock, self._loop, self._handler = sock, loop, handler
+        self._names.loop, self._names.v6 = loop, self._v6
+        self.address = f"udp://{join_host_port(host, port)}"
+        self._start_paths(sock, loop)
+        loop.add_reader(sock.fileno(), self._drain_gro if self.path_stats.gro else self._drain)
+        return self.address
+
+    def _start_paths(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        """GRO and GSO where configured and the kernel agrees; the pacer where set."""
+        path = self.path_stats
+        if self.config.udp_gso:
+            path.gro = enable_gro(sock)
+            if not path.gro:
+                _log.info("%s: the kernel refused UDP_GRO; one datagram per read", self.address)
+            path.gso = True  # until the first batch the kernel refuses
+        batch = None
+        if path.gso:
+            batch = BatchSender(
+                sock, loop, self.stats, path, None, MAX_DATAGRAM_BYTES, self.address
+            )
+            self._batch = batch
         if self.config.udp_pace_mbps is not None:
             rate = self.config.udp_pace_mbps * 1e6 / 8
             self._pacer = Pacer(
@@ -208,11 +251,10 @@ class UdpTransport(Transport):
                 default_burst_bytes(rate),
                 self.config.send_queue_packets,
                 self.clock,
-                self._emit,
+                self._emit if batch is None else batch.emit,
             )
-        self.address = f"udp://{join_host_port(host, port)}"
-        loop.add_reader(sock.fileno(), self._drain)
-        return self.address
+            if batch is not None:
+                batch.pacer = self._pacer  # it takes whole batches
 
     async def close(self) -> None:
         """Stop delivery, cancel pending name resolutions, close the socket. Idempotent."""
@@ -220,11 +262,14 @@ class UdpTransport(Transport):
             return
         self._closed = True
         self._handler = None
-        for task in self._resolving.values():
-            task.cancel()
-        self._resolving.clear()
+        self._names.cancel()
+        if self._batch is not None:
+            self._batch.close()  # accepted this iteration: sent (or handed to the pacer)
         if self._pacer is not None:
-            self._pacer.close()  # queued packets are discarded, as with ZeroMQ's linger 0
+            # queued packets are discarded, as with ZeroMQ's linger 0
+            items = self._pacer.discard()
+            if self._batch is not None:
+                self._batch.discarded(items)  # counted sent at send(): now dropped
         sock, self._sock = self._sock, None
         if sock is not None:
             if self._loop is not None and not self._loop.is_closed():
@@ -246,18 +291,54 @@ class UdpTransport(Transport):
             except OSError:  # e.g. ECONNREFUSED queued by an ICMP error for an earlier send
                 stats.send_errors += 1
                 continue
-            frames = parse_datagram(data)
-            if frames is None:
-                stats.dropped_malformed += 1
-                continue
-            stats.recv_packets += 1
-            stats.recv_bytes += len(data) - 1 - 4 * len(frames)
-            try:
-                handler(frames)
-            except Exception:
-                _log.exception("packet handler raised on %s; packet dropped", self.address)
+            self.path_stats.recv_calls += 1
+            self._deliver(data, handler)
             if self._sock is None:
                 return
+
+    def _drain_gro(self) -> None:
+        """:meth:`_drain` for a GRO socket: a read may hold several datagrams of one size."""
+        sock, handler = self._sock, self._handler
+        if sock is None or handler is None:
+            return
+        stats, path = self.stats, self.path_stats
+        for _ in range(_DRAIN_BATCH):
+            try:
+                data, ancdata, flags, _ = sock.recvmsg(_GRO_READ_BYTES, GRO_ANCILLARY_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # e.g. ECONNREFUSED queued by an ICMP error for an earlier send
+                stats.send_errors += 1
+                continue
+            path.recv_calls += 1
+            if flags & socket.MSG_TRUNC:  # cannot happen below 64 KiB; never parse a cut read
+                stats.dropped_malformed += 1
+                continue
+            segment = gro_segment_size(ancdata) if ancdata else 0
+            if segment and segment < len(data):
+                path.gro_reads += 1
+                for view in split_segments(data, segment):
+                    self._deliver(view, handler)
+                    if self._sock is None:
+                        return
+            else:
+                self._deliver(data, handler)
+                if self._sock is None:
+                    return
+
+    def _deliver(self, data: bytes | memoryview, handler: PacketHandler) -> None:
+        """Parse one datagram and hand its frames over; broken framing is a counted drop."""
+        stats = self.stats
+        frames = parse_datagram(data)
+        if frames is None:
+            stats.dropped_malformed += 1
+            return
+        stats.recv_packets += 1
+        stats.recv_bytes += len(data) - 1 - 4 * len(frames)
+        try:
+            handler(frames)
+        except Exception:
+            _log.exception("packet handler raised on %s; packet dropped", self.address)
 
     # ------------------------------------------------------------------ send
     def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
@@ -282,7 +363,7 @@ class UdpTransport(Transport):
         if sock is None:
             stats.send_errors += 1
             return False
-        addr = self._addrs.get(dst) or self._resolve(dst)
+        addr = self._addrs.get(dst) or self._names.resolve(dst)
         if addr is None:
             stats.dropped_unreachable += 1
             return False
@@ -299,6 +380,8 @@ class UdpTransport(Transport):
             stats.dropped_oversize += 1
             return False
         data = b"".join([_HEADERS[count].pack(count, *lengths), *frames])
+        if self._batch is not None:
+            return self._batch.submit(addr, data, nbytes, urgent=urgent)
         if self._pacer is None:
             return self._emit(addr, data)
         if not self._pacer.submit(addr, data, urgent=urgent):
@@ -313,80 +396,15 @@ class UdpTransport(Transport):
         if sock is None:
             stats.send_errors += 1
             return False
+        self.path_stats.send_calls += 1
         try:
             sock.sendto(data, addr)
         except OSError as err:
-            if err.errno in _QUEUE_FULL_ERRNOS:
-                stats.dropped_queue_full += 1
-            elif err.errno == errno.EMSGSIZE:
-                stats.dropped_oversize += 1
-            elif err.errno in (errno.EAFNOSUPPORT, errno.ENETUNREACH, errno.EHOSTUNREACH):
-                stats.dropped_unreachable += 1
-            else:
-                stats.send_errors += 1
+            count_send_error(stats, err.errno or 0)
             return False
         stats.sent_packets += 1
-        stats.sent_bytes += len(data) - 1 - 4 * data[0]  # payload bytes, framing excluded
+        stats.sent_bytes += payload_bytes(data)  # framing excluded
         return True
-
-    def _resolve(self, dst: str) -> SockAddr | None:
-        """Socket address of ``dst`` now, or None (and start a background lookup for names)."""
-        try:
-            scheme, rest = split_address(dst)
-            host, port_s = split_host_port(rest)
-            port = int(port_s)
-        except (ConfigError, ValueError):
-            return None
-        if scheme != "udp" or not 0 < port < 65536:
-            return None
-        try:
-            ip = ipaddress.ip_address(host)
-        except ValueError:
-            self._resolve_name(dst, host, port)  # resolves in the background
-            return None
-        addr = self._sockaddr(ip, port)
-        if addr is not None:
-            self._addrs[dst] = addr
-        return addr
-
-    def _sockaddr(
-        self, ip: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int
-    ) -> SockAddr | None:
-        if self._v6:
-            text = f"::ffff:{ip}" if ip.version == 4 else str(ip)
-            return (text, port, 0, 0)
-        return (str(ip), port) if ip.version == 4 else None
-
-    def _resolve_name(self, dst: str, host: str, port: int) -> None:
-        failed_at = self._failed.get(dst)
-        if failed_at is not None and self.clock.now() - failed_at < _RESOLVE_RETRY_S:
-            return None
-        if dst not in self._resolving and self._loop is not None:
-            task = self._loop.create_task(self._lookup(self._loop, dst, host, port))
-            self._resolving[dst] = task
-        return None
-
-    async def _lookup(
-        self, loop: asyncio.AbstractEventLoop, dst: str, host: str, port: int
-    ) -> SockAddr | None:
-        family = socket.AF_INET6 if self._v6 else socket.AF_INET
-        flags = socket.AI_V4MAPPED if self._v6 else 0
-        try:
-            infos = await loop.getaddrinfo(
-                host, port, family=family, type=socket.SOCK_DGRAM, flags=flags
-            )
-        except (OSError, UnicodeError) as err:
-            _log.warning("cannot resolve %s (%s); packets to it are dropped", dst, err)
-            infos = []
-        finally:
-            self._resolving.pop(dst, None)
-        if not infos:
-            self._failed[dst] = self.clock.now()
-            return None
-        addr = cast(SockAddr, infos[0][4])  # AF_INET/AF_INET6 only (family above)
-        self._failed.pop(dst, None)
-        self._addrs[dst] = addr
-        return addr
 
     async def connect(self, dst: str, timeout_s: float) -> bool:
         """Resolve ``dst`` so the next send is not dropped for a pending lookup.
@@ -397,9 +415,9 @@ class UdpTransport(Transport):
         """
         if self._sock is None:
             return False
-        if self._addrs.get(dst) or self._resolve(dst):
+        if self._addrs.get(dst) or self._names.resolve(dst):
             return True
-        task = self._resolving.get(dst)
+        task = self._names.resolving.get(dst)
         if task is None:
             return False
         deadline = self.clock.now() + timeout_s
@@ -412,5 +430,4 @@ class UdpTransport(Transport):
 
     def forget(self, dst: str) -> None:
         """Drop ``dst``'s cached address (a departed peer's name may move)."""
-        self._addrs.pop(dst, None)
-        self._failed.pop(dst, None)
+        self._names.forget(dst)

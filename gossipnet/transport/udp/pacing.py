@@ -19,7 +19,10 @@ while each destination still sees its packets in the order they were sent
 (an END marker never overtakes the data it counts).
 
 The bucket counts wire bytes (datagram + UDP, IPv4 and Ethernet headers),
-as a shaper does.  Pure logic over an injected clock and send function, so it
+as a shaper does.  With UDP GSO an item is a batch of datagrams that leaves in
+one system call: the bucket takes the batch's bytes at once (``wire_bytes``)
+and the queue bound counts its datagrams (``packets``), so pacing costs one
+decision per batch, not per packet.  Pure logic over an injected clock and send function, so it
 is tested with ``FakeClock`` and no sockets.
 """
 
@@ -58,7 +61,8 @@ class Pacer:
         burst_bytes: bucket depth (bytes that may leave back to back).
         queue_packets: per-destination queue limit; a full queue refuses.
         clock: time and timers (the loop's, or a ``FakeClock`` in tests).
-        emit: sends one datagram now (``emit(dst, data)``); its own drops are its own.
+        emit: sends one item (a datagram or a batch) now (``emit(dst, data)``); its
+            own drops are its own.
     """
 
     def __init__(
@@ -67,7 +71,7 @@ class Pacer:
         burst_bytes: int,
         queue_packets: int,
         clock: Clock,
-        emit: Callable[[Any, bytes], object],
+        emit: Callable[[Any, Any], object],
     ) -> None:
         if rate_bytes_s <= 0 or burst_bytes <= 0 or queue_packets <= 0:
             raise ValueError("rate_bytes_s, burst_bytes and queue_packets must be > 0")
@@ -78,7 +82,9 @@ class Pacer:
         self._emit = emit
         self._tokens = self.burst
         self._stamp = clock.now()
-        self._queues: OrderedDict[Hashable, deque[bytes]] = OrderedDict()
+        # per destination: FIFO of (item, wire bytes, datagrams), and its datagram count
+        self._queues: OrderedDict[Hashable, deque[tuple[Any, int, int]]] = OrderedDict()
+        self._counts: dict[Hashable, int] = {}
         self._timer: TimerHandle | None = None
         self.queued = 0  # packets waiting now
         self.max_queued = 0  # high-water mark, for diagnostics
@@ -88,36 +94,54 @@ class Pacer:
         self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
         self._stamp = now
 
-    def submit(self, dst: Hashable, data: bytes, *, urgent: bool = False) -> bool:
+    def submit(
+        self,
+        dst: Hashable,
+        data: Any,
+        *,
+        urgent: bool = False,
+        wire_bytes: int | None = None,
+        packets: int = 1,
+    ) -> bool:
         """Send ``data`` now if the bucket allows and nothing waits, else queue it.
 
         ``urgent`` (small control packets: heartbeats, membership) goes now in any
         case and is charged to the bucket, which may go into debt: the queued data
         waits that much longer, so the long-run rate still holds.
 
-        Returns False (nothing queued) when ``dst``'s queue is full.
+        ``wire_bytes``: what the item costs the link (default: one datagram,
+        ``len(data)`` + :data:`WIRE_OVERHEAD_BYTES`); ``packets``: datagrams in it.
+
+        Returns False (nothing queued) when ``dst``'s queue would exceed its bound.
         """
+        wire = len(data) + WIRE_OVERHEAD_BYTES if wire_bytes is None else wire_bytes
         if urgent:
             self._refill()
-            self._tokens -= len(data) + WIRE_OVERHEAD_BYTES
+            self._tokens -= wire
             self._emit(dst, data)
             return True
         if not self._queues:
             self._refill()
             if self._tokens > 0:
-                self._tokens -= len(data) + WIRE_OVERHEAD_BYTES
+                self._tokens -= wire
                 self._emit(dst, data)
                 return True
+        count = self._counts.get(dst, 0)
+        if count and count + packets > self.queue_packets:
+            return False
         queue = self._queues.get(dst)
         if queue is None:
             queue = self._queues[dst] = deque()
-        elif len(queue) >= self.queue_packets:
-            return False
-        queue.append(data)
-        self.queued += 1
+        queue.append((data, wire, packets))
+        self._counts[dst] = count + packets
+        self.queued += packets
         self.max_queued = max(self.max_queued, self.queued)
         self._arm()
         return True
+
+    def queued_for(self, dst: Hashable) -> int:
+        """Datagrams waiting for ``dst`` now."""
+        return self._counts.get(dst, 0)
 
     def _arm(self) -> None:
         if self._timer is None and self._queues:
@@ -134,22 +158,31 @@ class Pacer:
         queues = self._queues
         while queues and self._tokens > 0:
             dst, queue = next(iter(queues.items()))
-            data = queue.popleft()
-            self.queued -= 1
+            data, wire, packets = queue.popleft()
+            self.queued -= packets
             if queue:
                 queues.move_to_end(dst)
+                self._counts[dst] -= packets
             else:
                 del queues[dst]
-            self._tokens -= len(data) + WIRE_OVERHEAD_BYTES
+                del self._counts[dst]
+            self._tokens -= wire
             self._emit(dst, data)
         self._arm()
 
     def close(self) -> int:
         """Cancel the timer and discard what waits; returns how many packets were discarded."""
+        dropped = self.queued
+        self.discard()
+        return dropped
+
+    def discard(self) -> list[Any]:
+        """Cancel the timer and empty every queue; returns the items that waited."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        dropped = self.queued
+        items = [entry[0] for queue in self._queues.values() for entry in queue]
         self._queues.clear()
+        self._counts.clear()
         self.queued = 0
-        return dropped
+        return items
