@@ -186,7 +186,7 @@ def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
             rnd,
             pkt,
             lambda b: rnd.maps[b].chunks_of(src),
-            lambda b, c: bool(rnd.got[b][c]),
+            lambda b, c: bool(rnd.got_np[b][c]),
             lambda b, c: as_bytes(rnd.plans[b].view(rnd.dst[b], c)),  # as it arrived
             lambda b, c, values: _accept_ag(ctx, rnd, src, b, c, values),
         )
@@ -198,7 +198,7 @@ def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     if c in rnd.owned[b]:
         ctx.dropped["not_owner"] += 1
         return
-    if bool(rnd.got[b][c]):
+    if rnd.got_np[b][c]:
         ctx.dropped["duplicate"] += 1
         return
     if overtaken:
@@ -213,7 +213,7 @@ def _accept_ag(
     if rnd.step_mag is not None:
         StaleStep.measure(rnd, b, c, values)
     rnd.plans[b].view(rnd.dst[b], c).copy_(values)
-    rnd.got[b][c] = True
+    rnd.got_np[b][c] = True
     ag = rnd.ag
     ag.received[src] += 1
     ag.arrived(src, ctx.node.clock.now())
