@@ -191,7 +191,7 @@ class ShardReducer:
             if run and (r is None or weight != run_w):
                 src = cast(torch.Tensor, stacked)  # runs hold stacked rows only
                 if len(run) != len(src):  # some refused, or runs of other weights
-                    src = stacked.index_select(0, torch.tensor([x for x, _ in run]))
+                    src = src.index_select(0, torch.tensor([x for x, _ in run]))
                 grid.index_add_(0, torch.tensor([y for _, y in run]), src, alpha=run_w)
                 run = []
             if i < 0:
