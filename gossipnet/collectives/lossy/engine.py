@@ -35,7 +35,15 @@ from gossipnet.collectives.lossy.round_id import (
     valid_mode,
     valid_round,
 )
-from gossipnet.collectives.lossy.scatter import announce_rs_end, finish_rs, on_rs, send_rs
+from gossipnet.collectives.lossy.scatter import (
+    RsPart,
+    accept_rs_batch,
+    announce_rs_end,
+    finish_rs,
+    on_rs,
+    rs_part,
+    send_rs,
+)
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.node import Node
@@ -88,7 +96,7 @@ class LossyAllReduce:
         self.peer_layouts: dict[str, tuple[int, str]] = {}
         self._layout_key = tag + ".L"
         for kind in kinds.all():
-            node.subscribe(kind, self._on_packet)
+            node.subscribe_batch(kind, self._on_batch)
         node.on_heartbeat(self._on_heartbeat)
         node.on_membership(self._on_membership)
         node.beacon[self.tag] = 0
@@ -244,6 +252,45 @@ class LossyAllReduce:
         return [p for p in rnd.participants if p != rnd.me]
 
     # ------------------------------------------------------------------ receiving
+    def _on_batch(self, pkts: list[Packet]) -> None:
+        """Packets of one drain, in order: contributions to our open reduce-scatter
+        are checked one by one and added together (:func:`.scatter.accept_rs_batch`);
+        any other packet first flushes those before it, then takes
+        :meth:`_on_packet`, so every packet acts in arrival order."""
+        rnd = self._round
+        parts: list[RsPart] = []
+        for pkt in pkts:
+            if rnd is not None and self._rs_current(rnd, pkt):
+                part = rs_part(self, rnd, pkt)
+                if part is not None:
+                    parts.append(part)
+                continue
+            if parts:
+                accept_rs_batch(self, rnd, parts)  # type: ignore[arg-type]
+                parts = []
+            self._on_packet(pkt)
+        if parts:
+            accept_rs_batch(self, rnd, parts)  # type: ignore[arg-type]
+
+    def _rs_current(self, rnd: Round, pkt: Packet) -> bool:
+        """Whether ``pkt`` is a reduce-scatter chunk of our round that
+        :meth:`_on_packet` would hand straight to :func:`.scatter.on_rs`."""
+        f = pkt.fields
+        if not (
+            pkt.kind == self.k.rs_data
+            and f.get("r") == rnd.r
+            and type(f.get("r")) is int
+            and f.get("m", 0) == rnd.mode
+            and type(f.get("m", 0)) is int
+            and f.get("L") == rnd.layout
+            and pkt.src in rnd.members
+            and "g" not in f
+        ):
+            return False
+        if rnd.r > self.max_seen:
+            self.max_seen = rnd.r
+        return True
+
     def _on_packet(self, pkt: Packet) -> None:
         r, mode = pkt.fields.get("r"), pkt.fields.get("m", 0)
         if not valid_round(r) or not valid_mode(mode):

@@ -159,6 +159,8 @@ class ShardReducer:
         finite: list[bool] | None = None
         if check and stacked is not None and stacked.dtype in _SUM_CHECKED:
             finite = torch.isfinite(stacked.sum(dim=1)).tolist()
+        if stacked is not None and stacked.dtype != self.acc.dtype:
+            stacked = stacked.to(self.acc.dtype)  # exact (wider), as add_ promotes it
         reasons: list[str | None] = []
         taken: list[tuple[int, int, float]] = []  # (part, chunk row, weight)
         for i, (sender, chunk, values, weight) in enumerate(parts):
