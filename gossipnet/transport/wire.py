@@ -420,10 +420,10 @@ class WireCodec:
         check each: loss stays per packet); a packet is local when its frames are
         :class:`~gossipnet.transport.base.LocalFrames`.  Why a batch call: the
         dispatcher (``PacketIO.on_batch``) then hands a subscriber all of a drain's
-        packets together.  The headers are parsed one ``struct`` call each: measured,
-        a vectorised parse (numpy over the joined headers) saves ~0.2 us of a
-        packet's ~4.5 us decode, most of which is its MAC check, and the replay
-        window is sequential per sender anyway.
+        packets together.  The headers are parsed one ``struct`` call each: measured
+        on 32 headers, 0.10 us a header, against 0.9 us for a numpy parse of the
+        joined headers (join, view, and ``tolist`` back to the ints the replay
+        window, sequential per sender, needs); a decode is ~4.5 us, mostly its MAC.
         """
         decode, out = self._decode, []
         for frames in batch:
