@@ -11,7 +11,9 @@ microseconds of CPU per data packet, apart from sockets and the kernel:
   ``LossyAllReduce`` rounds of ``--elems`` float32; the process CPU time of the
   timed rounds divided by the data packets they sent, which is the send and the
   receive side of every packet together (the memory transport delivers one
-  packet per call).
+  packet per call).  ``drain_us_per_packet``: the same with each node's arrivals
+  handed over in drains of up to ``--drain`` packets (``PacketIO.on_batch``), as
+  the socket backends' drains do, where the node offers it.
 
     .venv/bin/python bench/packet_path.py --quick    # < 30 s
 
@@ -30,6 +32,7 @@ from _common import bench_parser, emit_json
 from gossipnet.collectives.lossy.engine import LossyAllReduce
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.config import Config
+from gossipnet.runtime.dispatch import PacketIO
 from gossipnet.testing.cluster import cluster
 from gossipnet.transport.wire import WireCodec
 
@@ -69,10 +72,30 @@ def _codec_figures(n: int, chunk_bytes: int, batch: int) -> dict[str, float]:
     return out
 
 
-async def _rounds(elems: int, chunk_bytes: int, reps: int) -> dict[str, float]:
+def _drains(node: Any, drain: int) -> None:
+    """Hand ``node`` its arrivals in drains of up to ``drain`` packets, in order."""
+    queue: list[list[memoryview]] = []
+
+    def flush() -> None:
+        while queue:
+            batch, queue[:] = queue[:drain], queue[drain:]
+            node.io.on_batch(batch)
+
+    def handler(views: list[memoryview]) -> None:
+        if not queue:
+            asyncio.get_running_loop().call_soon(flush)
+        queue.append(views)
+
+    node.transport._handler = handler
+
+
+async def _rounds(elems: int, chunk_bytes: int, reps: int, drain: int = 0) -> dict[str, float]:
     """CPU per data packet of whole rounds, 4 in-process nodes."""
     cfg = Config(run="bench", chunk_bytes=chunk_bytes, parity_group=0)
     async with cluster(4, config=cfg) as nodes:
+        if drain:
+            for node in nodes:
+                _drains(node, drain)
         engines = [LossyAllReduce(n) for n in nodes]
         bufs = [torch.randn(elems, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         for _ in range(2):  # warm-up: pools, spans
@@ -102,6 +125,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--elems", type=int, default=4_000_000)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--drain", type=int, default=32, help="packets per drain")
     args = parser.parse_args()
     if args.quick:
         args.packets, args.elems, args.reps = 10000, 1_000_000, 5
@@ -110,6 +134,10 @@ def main() -> None:
     out: dict[str, Any] = {"chunk_kib": args.chunk_kib, "elems": args.elems}
     out.update(_codec_figures(args.packets, chunk, args.batch))
     out.update(asyncio.run(_rounds(args.elems, chunk, args.reps)))
+    if hasattr(PacketIO, "on_batch"):
+        drained = asyncio.run(_rounds(args.elems, chunk, args.reps, args.drain))
+        out["drain_us_per_packet"] = drained["round_us_per_packet"]
+        out["drain_round_cpu_s"] = drained["round_cpu_s"]
     for key, value in out.items():
         print(f"{key:>22}: {value:.2f}" if isinstance(value, float) else f"{key:>22}: {value}")
     emit_json(out)

@@ -20,7 +20,7 @@ import torch
 from gossipnet.collectives.lossy import repair as _repair
 from gossipnet.collectives.lossy.context import PhaseName
 from gossipnet.collectives.lossy.cut import ReorderWindow, wait_phase
-from gossipnet.collectives.lossy.gather import all_gather, on_ag
+from gossipnet.collectives.lossy.gather import all_gather, on_ag, on_ag_batch
 from gossipnet.collectives.lossy.layout import layout_conflict, layout_failure
 from gossipnet.collectives.lossy.loss_watch import END_COPIES as END_COPIES
 from gossipnet.collectives.lossy.loss_watch import LossWatch
@@ -36,7 +36,6 @@ from gossipnet.collectives.lossy.round_id import (
     valid_round,
 )
 from gossipnet.collectives.lossy.scatter import (
-    RsPart,
     accept_rs_batch,
     announce_rs_end,
     finish_rs,
@@ -253,43 +252,62 @@ class LossyAllReduce:
 
     # ------------------------------------------------------------------ receiving
     def _on_batch(self, pkts: list[Packet]) -> None:
-        """Packets of one drain, in order: contributions to our open reduce-scatter
-        are checked one by one and added together (:func:`.scatter.accept_rs_batch`);
-        any other packet first flushes those before it, then takes
-        :meth:`_on_packet`, so every packet acts in arrival order."""
+        """Packets of one drain, in order.  Data chunks of our open round go in runs
+        of one kind: reduce-scatter contributions are checked one by one and added
+        together (:func:`.scatter.accept_rs_batch`), all-gather chunks written
+        together (:func:`.gather.on_ag_batch`); any other packet first flushes the
+        run before it, then takes :meth:`_on_packet`: all act in arrival order."""
         rnd = self._round
-        parts: list[RsPart] = []
+        run: list[Packet] = []
+        run_kind = -1
         for pkt in pkts:
-            if rnd is not None and self._rs_current(rnd, pkt):
-                part = rs_part(self, rnd, pkt)
-                if part is not None:
-                    parts.append(part)
-                continue
-            if parts:
-                accept_rs_batch(self, rnd, parts)  # type: ignore[arg-type]
-                parts = []
-            self._on_packet(pkt)
-        if parts:
-            accept_rs_batch(self, rnd, parts)  # type: ignore[arg-type]
+            kind = self._fast_kind(rnd, pkt) if rnd is not None else -1
+            if run and kind != run_kind:
+                self._flush(rnd, run_kind, run)  # type: ignore[arg-type]
+                run = []
+            if kind < 0:
+                self._on_packet(pkt)
+            else:
+                run_kind = kind
+                run.append(pkt)
+        if run:
+            self._flush(rnd, run_kind, run)  # type: ignore[arg-type]
 
-    def _rs_current(self, rnd: Round, pkt: Packet) -> bool:
-        """Whether ``pkt`` is a reduce-scatter chunk of our round that
-        :meth:`_on_packet` would hand straight to :func:`.scatter.on_rs`."""
-        f = pkt.fields
+    def _flush(self, rnd: Round, kind: int, run: list[Packet]) -> None:
+        if kind == self.k.ag_data:
+            now = self.node.clock.now()
+            for pkt in run:  # its reduce-scatter is sent (as _on_packet notes)
+                rnd.rs.passed(pkt.src, now)
+            on_ag_batch(self, rnd, run)
+            return
+        parts = [p for p in (rs_part(self, rnd, pkt) for pkt in run) if p is not None]
+        if parts:
+            accept_rs_batch(self, rnd, parts)
+
+    def _fast_kind(self, rnd: Round, pkt: Packet) -> int:
+        """``pkt``'s kind if it is a data chunk of our round that :meth:`_on_packet`
+        would hand straight to :func:`.scatter.on_rs` or :func:`.gather.on_ag`
+        (no parity, no steps measured); else -1."""
+        f, kind = pkt.fields, pkt.kind
+        if kind == self.k.rs_data:
+            if rnd.rs_closed:
+                return -1
+        elif kind != self.k.ag_data or rnd.sending or rnd.step_mag is not None:
+            return -1
+        r, m = f.get("r"), f.get("m", 0)
         if not (
-            pkt.kind == self.k.rs_data
-            and f.get("r") == rnd.r
-            and type(f.get("r")) is int
-            and f.get("m", 0) == rnd.mode
-            and type(f.get("m", 0)) is int
+            type(r) is int
+            and r == rnd.r
+            and type(m) is int
+            and m == rnd.mode
             and f.get("L") == rnd.layout
             and pkt.src in rnd.members
             and "g" not in f
         ):
-            return False
-        if rnd.r > self.max_seen:
-            self.max_seen = rnd.r
-        return True
+            return -1
+        if r > self.max_seen:
+            self.max_seen = r
+        return kind
 
     def _on_packet(self, pkt: Packet) -> None:
         r, mode = pkt.fields.get("r"), pkt.fields.get("m", 0)
