@@ -87,9 +87,9 @@ class PacketIO:
         A run is the consecutive packets of one drain (:meth:`on_batch`) that go to
         ``handler``; a packet for any other handler ends it, so every handler
         still sees packets in arrival order relative to all others.  Per-packet
-        delivery (:meth:`on_frames`) hands it runs of one.
+        delivery (:meth:`on_frames`) goes to the kind's :meth:`subscribe` handler
+        where it has one (no batch machinery for one packet), else to this one.
         """
-        self.subscribers.pop(int(kind), None)
         self.batch_subscribers[int(kind)] = handler
 
     def unsubscribe(self, kind: int) -> None:
@@ -202,8 +202,7 @@ class PacketIO:
         pkt = self.codec.decode(frames, local=type(frames) is LocalFrames)
         if pkt is None or self.closed or self.membership is None or not self._admit(pkt):
             return
-        batch = self.batch_subscribers.get(pkt.kind)
-        if batch is not None:
+        if pkt.kind not in self.subscribers and (batch := self.batch_subscribers.get(pkt.kind)):
             self._call_batch(batch, [pkt])
             return
         self._call(pkt)

@@ -106,3 +106,35 @@ def test_drains_give_bit_identical_rounds(
             ]
 
     run_async(main())
+
+
+def test_runs_keep_arrival_order_across_handlers(run_async: Any, fast_config: Config) -> None:
+    """A drain [B, B, A, B, bad, B]: B's batch handler gets [B, B], then A's handler
+    its packet, then B's the rest as one run (a rejected packet ends no run)."""
+    from gossipnet.testing import MemoryNetwork
+
+    calls: list[Any] = []
+
+    async def main() -> None:
+        async with cluster(2, config=fast_config, network=MemoryNetwork()) as nodes:
+            rx, tx = nodes[0], nodes[1]
+            rx.subscribe(901, lambda p: calls.append(("A", p.fields["i"])))
+            rx.subscribe_batch(902, lambda ps: calls.append(("B", [p.fields["i"] for p in ps])))
+            kinds = [902, 902, 901, 902, None, 902]
+            batch = []
+            for i, kind in enumerate(kinds):
+                if kind is None:  # a forged packet: counted, dropped, ends nothing
+                    frames = [memoryview(b"\x80"), memoryview(b""), memoryview(bytes(36))]
+                else:
+                    frames = [memoryview(bytes(f)) for f in tx.encode_for(["p0"], kind, {"i": i})]
+                batch.append(frames)
+            before = rx.codec.rejects["mac"]
+            rx.io.on_batch(batch)
+            assert rx.codec.rejects["mac"] == before + 1
+            assert calls == [("B", [0, 1]), ("A", 2), ("B", [3, 5])]
+            calls.clear()
+            frames = [memoryview(bytes(f)) for f in tx.encode_for(["p0"], 902, {"i": 9})]
+            rx.io.on_frames(frames)  # per packet: a run of one
+            assert calls == [("B", [9])]
+
+    run_async(main())

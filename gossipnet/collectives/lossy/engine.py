@@ -95,7 +95,8 @@ class LossyAllReduce:
         self.peer_layouts: dict[str, tuple[int, str]] = {}
         self._layout_key = tag + ".L"
         for kind in kinds.all():
-            node.subscribe_batch(kind, self._on_batch)
+            node.subscribe(kind, self._on_packet)  # a packet at a time (per-packet backends)
+            node.subscribe_batch(kind, self._on_batch)  # a drain's run (PacketIO.on_batch)
         node.on_heartbeat(self._on_heartbeat)
         node.on_membership(self._on_membership)
         node.beacon[self.tag] = 0
