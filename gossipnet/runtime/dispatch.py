@@ -28,7 +28,7 @@ from gossipnet.runtime.membership import Membership
 from gossipnet.transport.base import Buffer, LocalFrames, Transport
 from gossipnet.transport.wire import Packet, WireCodec
 
-__all__ = ("PacketCallback", "PacketIO", "RequestFilter")
+__all__ = ("BatchCallback", "PacketCallback", "PacketIO", "RequestFilter")
 
 #: Kinds below this are node/membership control (``NodeKind``): sent ``urgent``.
 _FIRST_DATA_KIND = _NODE_KINDS.stop
@@ -37,6 +37,8 @@ _FIRST_DATA_KIND = _NODE_KINDS.stop
 log = logging.getLogger("gossipnet.runtime.node")
 
 PacketCallback = Callable[[Packet], None]
+#: Takes consecutive accepted packets of its kinds, in arrival order (one drain's).
+BatchCallback = Callable[[list[Packet]], None]
 #: Called with a packet that carries a request id (``rq``); False: drop the packet.
 RequestFilter = Callable[[Packet, Any], bool]
 
@@ -67,6 +69,8 @@ class PacketIO:
         self.closed = False
         #: kind -> the one handler of accepted packets of that kind
         self.subscribers: dict[int, PacketCallback] = {}
+        #: kind -> the one handler of runs of accepted packets (``subscribe_batch``)
+        self.batch_subscribers: dict[int, BatchCallback] = {}
         #: accepted packets nobody subscribed to, by kind
         self.unhandled: collections.Counter[int] = collections.Counter()
         #: the reliable part's receive side (see :mod:`gossipnet.runtime.reliable`)
@@ -77,8 +81,20 @@ class PacketIO:
         """Route accepted packets of ``kind`` to ``handler`` (one handler per kind)."""
         self.subscribers[int(kind)] = handler
 
+    def subscribe_batch(self, kind: int, handler: BatchCallback) -> None:
+        """Route accepted packets of ``kind`` to ``handler`` in runs (one handler per kind).
+
+        A run is the consecutive packets of one drain (:meth:`on_batch`) that go to
+        ``handler``; a packet for any other handler ends it, so every handler
+        still sees packets in arrival order relative to all others.  Per-packet
+        delivery (:meth:`on_frames`) goes to the kind's :meth:`subscribe` handler
+        where it has one (no batch machinery for one packet), else to this one.
+        """
+        self.batch_subscribers[int(kind)] = handler
+
     def unsubscribe(self, kind: int) -> None:
         self.subscribers.pop(int(kind), None)
+        self.batch_subscribers.pop(int(kind), None)
 
     # ------------------------------------------------------------------ sending
     def send(
@@ -184,16 +200,51 @@ class PacketIO:
         packet.
         """
         pkt = self.codec.decode(frames, local=type(frames) is LocalFrames)
-        if pkt is None or self.closed or self.membership is None:
+        if pkt is None or self.closed or self.membership is None or not self._admit(pkt):
             return
+        if pkt.kind not in self.subscribers and (batch := self.batch_subscribers.get(pkt.kind)):
+            self._call_batch(batch, [pkt])
+            return
+        self._call(pkt)
+
+    def on_batch(self, batch: Sequence[list[memoryview]]) -> None:
+        """A backend's callback for what one drain of its socket delivered, in order.
+
+        Each packet is decoded and authenticated on its own (:meth:`WireCodec.decode_batch`);
+        runs of consecutive packets for one batch subscriber go to it in one call, so
+        the lossy engine adds a drain's chunks with a few tensor operations.
+        """
+        pkts = self.codec.decode_batch(batch)
+        if self.closed or self.membership is None:
+            return
+        run: list[Packet] = []
+        run_handler: BatchCallback | None = None
+        for pkt in pkts:
+            if pkt is None or not self._admit(pkt):
+                continue
+            handler = self.batch_subscribers.get(pkt.kind)
+            if run and handler is not run_handler:
+                self._call_batch(run_handler, run)  # type: ignore[arg-type]
+                run = []
+            if handler is None:
+                self._call(pkt)
+            else:
+                run_handler = handler
+                run.append(pkt)
+        if run:
+            self._call_batch(run_handler, run)  # type: ignore[arg-type]
+
+    def _admit(self, pkt: Packet) -> bool:
+        """Refresh liveness on a fresh directed packet; False if a request filter drops it."""
         if pkt.fresh and pkt.directed:  # evidence of life now, not a late or stray copy
             addr = pkt.fields.get("addr")
-            self.membership.heard_from(
+            self.membership.heard_from(  # type: ignore[union-attr]
                 pkt.src, pkt.epoch, addr if isinstance(addr, str) else None, self.clock.now()
             )
         rid = pkt.fields.get("rq")
-        if rid is not None and pkt.kind != NodeKind.ACK and not self.accept_request(pkt, rid):
-            return
+        return rid is None or pkt.kind == NodeKind.ACK or self.accept_request(pkt, rid)
+
+    def _call(self, pkt: Packet) -> None:
         handler = self.subscribers.get(pkt.kind)
         if handler is None:
             self.unhandled[pkt.kind] += 1
@@ -207,4 +258,15 @@ class PacketIO:
                 self.peer_id,
                 pkt.kind,
                 pkt.src,
+            )
+
+    def _call_batch(self, handler: BatchCallback, pkts: list[Packet]) -> None:
+        try:
+            handler(pkts)
+        except Exception:
+            log.exception(
+                "peer %s: batch handler for kind %d failed on %d packet(s)",
+                self.peer_id,
+                pkts[0].kind,
+                len(pkts),
             )

@@ -98,6 +98,7 @@ class Node:
         self.encode_for = io.encode_for
         self.send_to_address = io.send_to_address
         self.subscribe = io.subscribe
+        self.subscribe_batch = io.subscribe_batch
         self.unsubscribe = io.unsubscribe
         self._on_frames = io.on_frames
         self.send_reliable = reliable.send_reliable
@@ -118,6 +119,8 @@ class Node:
             network=self._network,
             advertise_host=self._advertise_host,
         )
+        if hasattr(self.transport, "batch_handler"):  # a backend that delivers per drain
+            self.transport.batch_handler = io.on_batch
         self.address = io.address = await self.transport.start(io.on_frames)
         self.membership = self.members.start()
         self.spawn(self.members.heartbeat_loop(), "heartbeat")

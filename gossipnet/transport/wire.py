@@ -1,6 +1,8 @@
 """The authenticated wire format: ``[header, payload, mac]`` frames.
 
-A packet is a small msgpack map (the header), the raw payload (never
+A packet is a small msgpack map (the header; data packets, whose fields are
+always the same, use the fixed binary layout of :mod:`._data_header` instead,
+told apart by its first byte), the raw payload (never
 msgpack-encoded, so tensor chunks travel without a copy) and a 16-byte MAC
 over both.  The receiver rejects with the cheapest failing test, in order:
 frame count, sizes, MAC, header parse (msgpack size limits), version, run,
@@ -58,7 +60,8 @@ import torch
 
 from gossipnet.clock import Clock, MonotonicClock
 from gossipnet.config import Config
-from gossipnet.transport.base import Buffer
+from gossipnet.transport import _data_header as _fixed
+from gossipnet.transport.base import Buffer, LocalFrames
 from gossipnet.transport.mac import make_signer
 
 __all__ = (
@@ -270,6 +273,9 @@ class WireCodec:
         self.mac_bytes = self._signer.size + FINGERPRINT_BYTES  # length of the MAC frame
         self._unsigned = bytes(self._signer.size) + self._fingerprint
         self._base = {"v": VERSION, "run": config.run, "src": src, "e": self.epoch}
+        self._src_utf8 = src.encode()
+        self._run_tag = _fixed.run_tag(config.run)
+        self._src_names: dict[bytes, str] = {}  # decoded sender ids of fixed headers
         self._key = key
         self._tags: dict[str, bytes] = {}
         self._group_tags: dict[tuple[str, ...], bytes] = {}
@@ -334,10 +340,17 @@ class WireCodec:
         if fields and not RESERVED_KEYS.isdisjoint(fields):
             bad = sorted(RESERVED_KEYS.intersection(fields))
             raise ValueError(f"header keys {bad} are reserved by the wire codec; rename them")
-        header = dict(self._base, q=next(self._seq), k=kind, **(fields or {}))
-        if dst is not None:
-            header["@"] = self._dst_tags(dst)
-        head = msgpack.packb(header)
+        tags = self._dst_tags(dst) if dst is not None else None
+        seq = next(self._seq)
+        head: bytes | None = None
+        if fields and len(fields) >= 7:  # a data packet's fields: the fixed header
+            ident = (self._src_utf8, self._run_tag, self.epoch, seq)
+            head = _fixed.pack(VERSION, kind, fields, ident, tags)
+        if head is None:
+            header = dict(self._base, q=seq, k=kind, **(fields or {}))
+            if tags is not None:
+                header["@"] = tags
+            head = msgpack.packb(header)
         if (size := len(head)) > self.config.max_header_bytes:
             raise ValueError(
                 f"header of {size} B > Config.max_header_bytes; move data to the payload"
@@ -400,6 +413,28 @@ class WireCodec:
             self._reject("internal", None)
             return None
 
+    def decode_batch(self, batch: Sequence[Sequence[Buffer]]) -> list[Packet | None]:
+        """:meth:`decode` every packet of one receive drain, in order; never raises.
+
+        Each packet stays independently authenticated and replay-checked (one MAC
+        check each: loss stays per packet); a packet is local when its frames are
+        :class:`~gossipnet.transport.base.LocalFrames`.  Why a batch call: the
+        dispatcher (``PacketIO.on_batch``) then hands a subscriber all of a drain's
+        packets together.  The headers are parsed one ``struct`` call each: measured
+        on 32 headers, 0.10 us a header, against 0.9 us for a numpy parse of the
+        joined headers (join, view, and ``tolist`` back to the ints the replay
+        window, sequential per sender, needs); a decode is ~4.5 us, mostly its MAC.
+        """
+        decode, out = self._decode, []
+        for frames in batch:
+            try:
+                out.append(decode(frames, type(frames) is LocalFrames))
+            except Exception:  # a bug here must not kill the receive path
+                log.debug("peer %s: wire decode failed unexpectedly", self.src, exc_info=True)
+                self._reject("internal", None)
+                out.append(None)
+        return out
+
     def _decode(self, frames: Sequence[Buffer], local: bool = False) -> Packet | None:
         try:
             if len(frames) != 3:
@@ -429,6 +464,8 @@ class WireCodec:
             self._reject("mac", None)
             self._note_suspect("mac", head, same_key)
             return None
+        if head and head[0] == _fixed.MAGIC:
+            return self._check_fixed(head, payload)
         try:
             header = self._unpack(head)
         except Exception:
@@ -480,6 +517,75 @@ class WireCodec:
             return None
         self.accepted += 1
         return Packet(src, epoch, seq, kind, header, payload, to is not None, reason is None)
+
+    def _check_fixed(self, head: memoryview, payload: memoryview) -> Packet | None:
+        """:meth:`_check_header`'s checks, in its order, on a fixed data header.
+
+        Field widths do what the msgpack path's type checks do (a round id is a
+        u64, a chunk a u32); what widths cannot bound (epoch and seq within int64,
+        a non-empty UTF-8 sender, the lengths adding up) is checked here.
+        """
+        size = _fixed.FIXED.size
+        if len(head) < size:
+            self._reject("header_parse", None)
+            return None
+        (_, version, kind, mode, dt, x, flags, src_len, ndst, _, run, epoch, seq,
+         r, lay, b, c, n, w) = _fixed.FIXED.unpack_from(head)  # fmt: skip
+        if version != VERSION:
+            self._reject("version", None)
+            return None
+        if run != self._run_tag:
+            self._reject("run", None)
+            return None
+        if len(head) != size + src_len + 4 * ndst:
+            self._reject("header_parse", None)
+            return None
+        raw = bytes(head[size : size + src_len])
+        src = self._src_names.get(raw) or self._src_name(raw)
+        if not src:
+            self._reject("header_fields", None)
+            return None
+        if epoch > _INT64_MAX or seq > _INT64_MAX:
+            self._reject("header_fields", src)
+            return None
+        if src == self.src:
+            self._reject("own_packet", src)
+            return None
+        directed = bool(flags & _fixed.HAS_DST)
+        if directed:
+            to = bytes(head[size + src_len :])
+            if to != self._own_tag and not self._for_us(to):
+                self._reject("destination", src)
+                return None
+        if dt >= len(_fixed.DTYPE_ORDER):
+            self._reject("dtype", src)
+            return None
+        code = _fixed.DTYPE_ORDER[dt]
+        if n * _ITEMSIZE[code] != len(payload):
+            self._reject("count", src)
+            return None
+        reason = self._replay_check(src, epoch, seq)
+        if reason:
+            self._reject(reason, src)
+            return None
+        self.accepted += 1
+        fields = {"r": r, "m": mode, "L": lay, "b": b, "c": c, "dt": code, "n": n}
+        if flags & _fixed.HAS_W:
+            fields["w"] = w
+        if flags & _fixed.HAS_X:
+            fields["x"] = x
+        return Packet(src, epoch, seq, kind, fields, payload, directed, reason is None)
+
+    def _src_name(self, raw: bytes) -> str:
+        """A fixed header's sender id as text ("" if not UTF-8), remembered (bounded)."""
+        try:
+            name = raw.decode()
+        except UnicodeDecodeError:
+            return ""
+        if len(self._src_names) > 4096:
+            self._src_names.clear()
+        self._src_names[raw] = name
+        return name
 
     def _replay_check(self, src: str, epoch: int, seq: int) -> str | None:
         """``None`` if ``(epoch, seq)`` from ``src`` is new and the newest yet (fresh),

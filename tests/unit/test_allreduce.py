@@ -27,6 +27,7 @@ from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.runtime.node import Node
 from gossipnet.testing import MemoryNetwork, MemoryTransport
+from gossipnet.transport import _data_header as wire_fixed
 from gossipnet.transport.faults import GilbertElliott
 from gossipnet.transport.wire import Packet, WireCodec
 
@@ -1041,7 +1042,12 @@ def test_no_end_markers_on_a_quiet_network_and_copies_once_loss_shows(
             send = nodes[0].transport.send
 
             def spy(dst: str, frames: Any, *, urgent: bool = False) -> bool:
-                if msgpack.unpackb(bytes(frames[0]))["k"] in (LossyKind.RS_END, LossyKind.AG_END):
+                head = bytes(frames[0])  # data packets have a fixed header: never an END
+                is_data = head[0] == wire_fixed.MAGIC
+                if not is_data and msgpack.unpackb(head)["k"] in (
+                    LossyKind.RS_END,
+                    LossyKind.AG_END,
+                ):
                     ends[0] += 1
                 return bool(send(dst, frames, urgent=urgent))
 

@@ -124,3 +124,52 @@ def test_bad_construction_raises() -> None:
         ShardReducer(torch.zeros(4), range(1), CHUNK, float("nan"))
     with pytest.raises(ValueError, match="chunks"):
         ShardReducer(torch.zeros(4), range(2), CHUNK, 1.0)
+
+
+def _random_parts(seed: int, dtype: torch.dtype) -> list[tuple[str, int, torch.Tensor, float]]:
+    """Parts with every refusal among them: duplicates, foreign chunks, short, NaN, bad weights."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    parts = []
+    for i in range(60):
+        c = rng.randrange(10, 14)  # 13 is not ours
+        n = 2 if c == 12 and rng.random() < 0.7 else CHUNK  # chunk 12 is the short last
+        values = torch.randn(n, generator=gen, dtype=torch.float64).to(dtype) * 1e3
+        if i % 7 == 3:
+            values[rng.randrange(n)] = rng.choice([float("nan"), float("inf")])
+        weight = rng.choice([1.0, 1.0, 0.37, 2.5, 0.0, -1.0, float("inf")])
+        parts.append((rng.choice("bcde"), c, values, weight))
+    return parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_is_bit_identical_to_one_by_one(seed: int, dtype: torch.dtype) -> None:
+    """accumulate_batch: the same sums bit for bit, the same refusals, the same counts,
+    whatever the batch boundaries (a sender failed halfway through)."""
+    acc_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    own = torch.randn(10, generator=torch.Generator().manual_seed(99), dtype=acc_dtype)
+    one, many = _reducer(own, 0.5, first=10), _reducer(own, 0.5, first=10)
+    parts = _random_parts(seed, dtype)
+    cut = random.Random(seed).randrange(len(parts))
+    want = [one.accumulate(*p) for p in parts[:cut]]
+    one.on_sender_failed("e")
+    want += [one.accumulate(*p) for p in parts[cut:]]
+    got: list[str | None] = []
+    rng = random.Random(seed + 1)
+    i = 0
+    while i < len(parts):
+        size = rng.randrange(1, 20)
+        if i < cut < i + size:
+            size = cut - i
+        got += many.accumulate_batch(parts[i : i + size])
+        i += size
+        if i == cut:
+            many.on_sender_failed("e")
+    assert got == want
+    assert {r for r in want} >= {None, "duplicate", "not_owner", "non_finite", "bad_weight"}
+    assert torch.equal(one.acc, many.acc)
+    assert torch.equal(one.weights, many.weights)
+    assert torch.equal(one.contributors, many.contributors)
+    assert torch.equal(one.average(own), many.average(own))
+    assert many.accumulate_batch(parts[:3]) == ["late"] * 3

@@ -20,7 +20,7 @@ import torch
 from gossipnet.collectives.lossy import repair as _repair
 from gossipnet.collectives.lossy.context import PhaseName
 from gossipnet.collectives.lossy.cut import ReorderWindow, wait_phase
-from gossipnet.collectives.lossy.gather import all_gather, on_ag
+from gossipnet.collectives.lossy.gather import all_gather, on_ag, on_ag_batch
 from gossipnet.collectives.lossy.layout import layout_conflict, layout_failure
 from gossipnet.collectives.lossy.loss_watch import END_COPIES as END_COPIES
 from gossipnet.collectives.lossy.loss_watch import LossWatch
@@ -35,7 +35,14 @@ from gossipnet.collectives.lossy.round_id import (
     valid_mode,
     valid_round,
 )
-from gossipnet.collectives.lossy.scatter import announce_rs_end, finish_rs, on_rs, send_rs
+from gossipnet.collectives.lossy.scatter import (
+    accept_rs_batch,
+    announce_rs_end,
+    finish_rs,
+    on_rs,
+    rs_part,
+    send_rs,
+)
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.node import Node
@@ -88,7 +95,8 @@ class LossyAllReduce:
         self.peer_layouts: dict[str, tuple[int, str]] = {}
         self._layout_key = tag + ".L"
         for kind in kinds.all():
-            node.subscribe(kind, self._on_packet)
+            node.subscribe(kind, self._on_packet)  # a packet at a time (per-packet backends)
+            node.subscribe_batch(kind, self._on_batch)  # a drain's run (PacketIO.on_batch)
         node.on_heartbeat(self._on_heartbeat)
         node.on_membership(self._on_membership)
         node.beacon[self.tag] = 0
@@ -244,6 +252,64 @@ class LossyAllReduce:
         return [p for p in rnd.participants if p != rnd.me]
 
     # ------------------------------------------------------------------ receiving
+    def _on_batch(self, pkts: list[Packet]) -> None:
+        """Packets of one drain, in order.  Data chunks of our open round go in runs
+        of one kind: reduce-scatter contributions are checked one by one and added
+        together (:func:`.scatter.accept_rs_batch`), all-gather chunks written
+        together (:func:`.gather.on_ag_batch`); any other packet first flushes the
+        run before it, then takes :meth:`_on_packet`: all act in arrival order."""
+        rnd = self._round
+        run: list[Packet] = []
+        run_kind = -1
+        for pkt in pkts:
+            kind = self._fast_kind(rnd, pkt) if rnd is not None else -1
+            if run and kind != run_kind:
+                self._flush(rnd, run_kind, run)  # type: ignore[arg-type]
+                run = []
+            if kind < 0:
+                self._on_packet(pkt)
+            else:
+                run_kind = kind
+                run.append(pkt)
+        if run:
+            self._flush(rnd, run_kind, run)  # type: ignore[arg-type]
+
+    def _flush(self, rnd: Round, kind: int, run: list[Packet]) -> None:
+        if kind == self.k.ag_data:
+            now = self.node.clock.now()
+            for pkt in run:  # its reduce-scatter is sent (as _on_packet notes)
+                rnd.rs.passed(pkt.src, now)
+            on_ag_batch(self, rnd, run)
+            return
+        parts = [p for p in (rs_part(self, rnd, pkt) for pkt in run) if p is not None]
+        if parts:
+            accept_rs_batch(self, rnd, parts)
+
+    def _fast_kind(self, rnd: Round, pkt: Packet) -> int:
+        """``pkt``'s kind if it is a data chunk of our round that :meth:`_on_packet`
+        would hand straight to :func:`.scatter.on_rs` or :func:`.gather.on_ag`
+        (no parity, no steps measured); else -1."""
+        f, kind = pkt.fields, pkt.kind
+        if kind == self.k.rs_data:
+            if rnd.rs_closed:
+                return -1
+        elif kind != self.k.ag_data or rnd.sending or rnd.step_mag is not None:
+            return -1
+        r, m = f.get("r"), f.get("m", 0)
+        if not (
+            type(r) is int
+            and r == rnd.r
+            and type(m) is int
+            and m == rnd.mode
+            and f.get("L") == rnd.layout
+            and pkt.src in rnd.members
+            and "g" not in f
+        ):
+            return -1
+        if r > self.max_seen:
+            self.max_seen = r
+        return kind
+
     def _on_packet(self, pkt: Packet) -> None:
         r, mode = pkt.fields.get("r"), pkt.fields.get("m", 0)
         if not valid_round(r) or not valid_mode(mode):

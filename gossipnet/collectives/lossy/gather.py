@@ -23,7 +23,7 @@ import collections
 
 import torch
 
-from gossipnet.collectives.chunks import as_bytes
+from gossipnet.collectives.chunks import all_finite, as_bytes
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.cut import wait_phase
 from gossipnet.collectives.lossy.packets import (
@@ -40,7 +40,7 @@ from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
-__all__ = ("all_gather", "announce_ag_end", "on_ag", "send_ag")
+__all__ = ("all_gather", "announce_ag_end", "on_ag", "on_ag_batch", "send_ag")
 
 
 async def all_gather(
@@ -186,7 +186,7 @@ def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
             rnd,
             pkt,
             lambda b: rnd.maps[b].chunks_of(src),
-            lambda b, c: bool(rnd.got[b][c]),
+            lambda b, c: bool(rnd.got_np[b][c]),
             lambda b, c: as_bytes(rnd.plans[b].view(rnd.dst[b], c)),  # as it arrived
             lambda b, c, values: _accept_ag(ctx, rnd, src, b, c, values),
         )
@@ -198,12 +198,76 @@ def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     if c in rnd.owned[b]:
         ctx.dropped["not_owner"] += 1
         return
-    if bool(rnd.got[b][c]):
+    if rnd.got_np[b][c]:
         ctx.dropped["duplicate"] += 1
         return
     if overtaken:
         ctx.note_after_end(rnd, pkt)
     _accept_ag(ctx, rnd, src, b, c, values)
+
+
+def on_ag_batch(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
+    """:func:`on_ag` for consecutive data packets (no parity) of one drain, in order.
+
+    Why: per chunk, a finiteness reduction and a ``copy_`` cost ~2 us of dispatch
+    each.  Here each bucket's full-length chunks are stacked once, checked with
+    one row sum and written with one ``index_copy_``; every check is decided per
+    packet in :func:`on_ag`'s order (finiteness is a function of the packet alone,
+    so computing it first changes no decision), and the bytes written are the same.
+    Not for rounds that measure steps (``rnd.step_mag``): those take :func:`on_ag`.
+    """
+    items = []
+    for pkt in pkts:
+        got = chunk_of(rnd, pkt, ctx.dropped, finite=False)
+        if got is not None:
+            items.append((pkt, *got))
+    finite = _finite_rows(rnd, [(b, values) for _, b, _, values in items])
+    writes: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for (pkt, b, c, values), ok in zip(items, finite, strict=True):
+        if not ok:
+            ctx.dropped["non_finite"] += 1
+        elif c in rnd.owned[b]:
+            ctx.dropped["not_owner"] += 1
+        elif rnd.got_np[b][c]:
+            ctx.dropped["duplicate"] += 1
+        else:
+            if pkt.src in rnd.ag.ended:
+                ctx.note_after_end(rnd, pkt)
+            writes.setdefault(b, []).append((c, values))
+            _counted_ag(ctx, rnd, pkt.src, b, c)
+    for b, chunks in writes.items():
+        _write_chunks(rnd, b, chunks)
+
+
+def _finite_rows(rnd: Round, items: list[tuple[int, torch.Tensor]]) -> list[bool]:
+    """Per item, whether its values are all finite: one row sum per bucket and length."""
+    out = [True] * len(items)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, (b, values) in enumerate(items):
+        groups.setdefault((b, values.numel()), []).append(i)
+    for (b, _), idx in groups.items():
+        if rnd.plans[b].dtype not in (torch.float32, torch.float64) or len(idx) == 1:
+            for i in idx:
+                out[i] = all_finite(items[i][1])
+            continue
+        sums = torch.stack([items[i][1] for i in idx]).sum(dim=1)
+        for i, ok in zip(idx, torch.isfinite(sums).tolist(), strict=True):
+            out[i] = ok
+    return out
+
+
+def _write_chunks(rnd: Round, b: int, chunks: list[tuple[int, torch.Tensor]]) -> None:
+    """Copy accepted chunks into ``dst[b]``: the full ones in one ``index_copy_``."""
+    plan, dst = rnd.plans[b], rnd.dst[b]
+    step = plan.chunk_elems
+    full = [(c, v) for c, v in chunks if v.numel() == step]
+    if len(full) > 1:
+        grid = dst[: (dst.numel() // step) * step].view(-1, step)
+        rows = torch.stack([v for _, v in full]).to(dst.dtype)
+        grid.index_copy_(0, torch.tensor([c for c, _ in full]), rows)
+    for c, values in chunks:
+        if len(full) <= 1 or values.numel() != step:
+            plan.view(dst, c).copy_(values)
 
 
 def _accept_ag(
@@ -213,7 +277,12 @@ def _accept_ag(
     if rnd.step_mag is not None:
         StaleStep.measure(rnd, b, c, values)
     rnd.plans[b].view(rnd.dst[b], c).copy_(values)
-    rnd.got[b][c] = True
+    _counted_ag(ctx, rnd, src, b, c)
+
+
+def _counted_ag(ctx: PhaseContext, rnd: Round, src: str, b: int, c: int) -> None:
+    """The bookkeeping of one chunk written: arrived, and its sender complete?"""
+    rnd.got_np[b][c] = True
     ag = rnd.ag
     ag.received[src] += 1
     ag.arrived(src, ctx.node.clock.now())

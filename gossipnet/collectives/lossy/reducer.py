@@ -17,19 +17,33 @@ unbiased when the delivered set ``R(c)`` does not depend on the values (random
 loss); dividing by N would be biased low by about ``(1 - p)``.  A chunk whose
 arrived weights sum to 0 keeps our own values (never 0/0).
 
-All work is per chunk, in vector operations over its elements.
+All work is in vector operations: per chunk (:meth:`ShardReducer.accumulate`), or per
+batch of chunks (:meth:`ShardReducer.accumulate_batch`: what one receive drain
+delivered, checked for finiteness in one reduction and added with one ``index_add_``
+per run of equal weights).  Both add in arrival order with the same kernel
+(``add_(values, alpha=w)`` per row), so a batch gives bit-identical sums.
+The per-chunk counters are numpy views of the ``weights``/``contributors`` tensors:
+a scalar update of a tensor element costs ~4 us through the dispatcher, of a numpy
+element ~0.15 us, and there is one per packet.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from gossipnet.collectives.chunks import all_finite
 
-__all__ = ("OwnedShard", "ShardReducer")
+__all__ = ("OwnedShard", "Part", "ShardReducer")
+
+#: One contribution: ``(sender, chunk, values, weight)``, as :meth:`ShardReducer.accumulate`.
+Part = tuple[str, int, torch.Tensor, float]
+#: Dtypes whose finiteness a row sum tells (``chunks.all_finite``'s rule).
+_SUM_CHECKED = (torch.float32, torch.float64)
 
 
 @dataclass(slots=True)
@@ -63,7 +77,9 @@ class ShardReducer:
 
     __slots__ = (
         "_failed",
+        "_n",
         "_seen",
+        "_w",
         "acc",
         "chunk_elems",
         "chunks",
@@ -85,6 +101,8 @@ class ShardReducer:
         n = len(chunks)
         self.weights = torch.full((n,), float(weight), dtype=torch.float64)
         self.contributors = torch.ones(n, dtype=torch.int32)  # us
+        self._w = self.weights.numpy()  # the same memory: cheap scalar updates
+        self._n = self.contributors.numpy()
         self.closed = False  # averaged: later parts are late
         self._seen: set[tuple[str, int]] = set()
         self._failed: set[str] = set()
@@ -110,6 +128,86 @@ class ShardReducer:
             ``"not_owner"`` (a chunk outside the shard), ``"failed_sender"``,
             ``"duplicate"``, ``"layout_mismatch"`` (wrong length) or ``"non_finite"``.
         """
+        reason = self._refuse(sender, chunk, values, weight)
+        if reason is None and check and not all_finite(values):
+            reason = "non_finite"
+        if reason is not None:
+            return reason
+        self._take(sender, chunk, weight)
+        lo = (chunk - self.chunks.start) * self.chunk_elems
+        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
+        return None
+
+    def accumulate_batch(self, parts: Sequence[Part], *, check: bool = True) -> list[str | None]:
+        """:meth:`accumulate` each of ``parts`` in order, in a few tensor operations.
+
+        Why: one drain of the receive socket delivers tens of chunks; per chunk,
+        a finiteness reduction and an ``add_`` cost ~2 us of dispatch each.  Here
+        the full-length parts are stacked once (one copy), checked with one row
+        sum, and added with one ``index_add_`` per run of equal weights, which
+        adds row by row in order with the same kernel as ``add_``: the sums are
+        bit-identical to accumulating the parts one by one, and every refusal
+        rule (and its reason) is the same, decided in the same order.
+
+        Returns:
+            Per part, None when added, else the refusal reason (:meth:`accumulate`).
+        """
+        step = self.chunk_elems
+        full = [i for i, p in enumerate(parts) if p[2].numel() == step]
+        rows: dict[int, int] = {i: r for r, i in enumerate(full)}
+        stacked = torch.stack([parts[i][2] for i in full]) if len(full) > 1 else None
+        finite: list[bool] | None = None
+        if check and stacked is not None and stacked.dtype in _SUM_CHECKED:
+            finite = torch.isfinite(stacked.sum(dim=1)).tolist()
+        if stacked is not None and stacked.dtype != self.acc.dtype:
+            stacked = stacked.to(self.acc.dtype)  # exact (wider), as add_ promotes it
+        reasons: list[str | None] = []
+        taken: list[tuple[int, int, float]] = []  # (part, chunk row, weight)
+        for i, (sender, chunk, values, weight) in enumerate(parts):
+            reason = self._refuse(sender, chunk, values, weight)
+            if reason is None and check:
+                r = rows.get(i)
+                ok = finite[r] if finite is not None and r is not None else all_finite(values)
+                reason = None if ok else "non_finite"
+            reasons.append(reason)
+            if reason is None:
+                self._take(sender, chunk, weight)
+                taken.append((i, chunk - self.chunks.start, weight))
+        self._add_rows(parts, taken, rows, stacked)
+        return reasons
+
+    def _add_rows(
+        self,
+        parts: Sequence[Part],
+        taken: list[tuple[int, int, float]],
+        rows: dict[int, int],
+        stacked: torch.Tensor | None,
+    ) -> None:
+        """Add the taken parts in order: stacked rows by runs of equal weight."""
+        acc, step = self.acc, self.chunk_elems
+        grid = acc[: (acc.numel() // step) * step].view(-1, step)
+        run: list[tuple[int, int]] = []  # (stacked row, chunk row) of one weight
+        run_w = 0.0
+        for i, row, weight in [*taken, (-1, -1, math.nan)]:
+            r = rows.get(i) if stacked is not None else None
+            if run and (r is None or weight != run_w):
+                src = cast(torch.Tensor, stacked)  # runs hold stacked rows only
+                if len(run) != len(src):  # some refused, or runs of other weights
+                    src = src.index_select(0, torch.tensor([x for x, _ in run]))
+                grid.index_add_(0, torch.tensor([y for _, y in run]), src, alpha=run_w)
+                run = []
+            if i < 0:
+                break
+            if r is not None:
+                run.append((r, row))
+                run_w = weight
+            else:
+                values = parts[i][2]
+                lo = row * step
+                acc[lo : lo + values.numel()].add_(values, alpha=weight)
+
+    def _refuse(self, sender: str, chunk: int, values: torch.Tensor, weight: float) -> str | None:
+        """Why a part cannot be added, checked cheapest first; None if it can."""
         if self.closed:
             return "late"
         if not 0 <= weight < math.inf:
@@ -118,20 +216,19 @@ class ShardReducer:
             return "not_owner"
         if sender in self._failed:
             return "failed_sender"
-        key = (sender, chunk)
-        if key in self._seen:
+        if (sender, chunk) in self._seen:
             return "duplicate"
-        i = chunk - self.chunks.start
-        lo = i * self.chunk_elems
+        lo = (chunk - self.chunks.start) * self.chunk_elems
         if values.numel() != min(self.chunk_elems, self.acc.numel() - lo):
             return "layout_mismatch"
-        if check and not all_finite(values):
-            return "non_finite"
-        self._seen.add(key)
-        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
-        self.weights[i] += weight
-        self.contributors[i] += 1
         return None
+
+    def _take(self, sender: str, chunk: int, weight: float) -> None:
+        """Count one accepted part: seen, its weight and one contributor more."""
+        self._seen.add((sender, chunk))
+        i = chunk - self.chunks.start
+        self._w[i] += weight
+        self._n[i] += 1
 
     def on_sender_failed(self, sender: str) -> None:
         """Refuse ``sender``'s parts from now on (it was declared failed).

@@ -179,6 +179,8 @@ class Round:
         # the reduce-scatter's sums, one per bucket (.reducer: the arithmetic alone)
         self.reducers = [self._reducer(b, weight, in_place) for b in range(len(self.src))]
         self.got = [torch.zeros(p.nchunks, dtype=torch.bool) for p in self.plans]
+        # the same memory as numpy: one read or write per packet costs ~0.1 us, not ~3 us
+        self.got_np = [g.numpy() for g in self.got]
         self._start_phases(redundancy)
 
     def _start_phases(self, redundancy: int) -> None:

@@ -33,7 +33,16 @@ from gossipnet.collectives.lossy.reducer import OwnedShard
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
-__all__ = ("announce_rs_end", "finish_rs", "on_rs", "rs_order", "send_rs")
+__all__ = (
+    "RsPart",
+    "accept_rs_batch",
+    "announce_rs_end",
+    "finish_rs",
+    "on_rs",
+    "rs_order",
+    "rs_part",
+    "send_rs",
+)
 
 
 async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
@@ -172,16 +181,32 @@ def on_rs(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
 
     A parity packet (``"g"`` in its fields) may rebuild one lost contribution.
     """
+    part = rs_part(ctx, rnd, pkt)
+    if part is not None:
+        src, b, c, values, w, keep = part
+        _accept_rs(ctx, rnd, src, b, c, values, w, keep)
+
+
+#: A checked contribution: (sender, bucket, chunk, values, weight, payload to keep).
+RsPart = tuple[str, int, int, torch.Tensor, float, memoryview | None]
+
+
+def rs_part(ctx: PhaseContext, rnd: Round, pkt: Packet) -> RsPart | None:
+    """What :func:`on_rs` does before adding: the checks of ``pkt`` as a contribution.
+
+    Returns the contribution, or None where the packet was dropped (counted) or
+    was a parity packet (handled here, as :func:`on_rs` does).
+    """
     w = pkt.fields.get("w", 1.0)
     if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
         ctx.dropped["bad_weight"] += 1
-        return
+        return None
     if pkt.src in rnd.rs.ended:  # it was overtaken by its sender's END: learn by how much
         ctx.note_after_end(rnd, pkt)
     if rnd.rs_closed:  # our averages are taken (and may be on the wire): too late
         ctx.dropped["late"] += 1
         rnd.late += 1
-        return
+        return None
     src = pkt.src
     if "g" in pkt.fields:
         on_parity(
@@ -193,13 +218,39 @@ def on_rs(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
             lambda b, c: rnd.fec_held.get((src, b, c)),
             lambda b, c, values: _accept_rs(ctx, rnd, src, b, c, values, float(w), None),
         )
-        return
+        return None
     got = chunk_of(rnd, pkt, ctx.dropped, finite=False)  # the reducer checks values
     if got is None:
-        return
+        return None
     b, c, values = got
     keep = pkt.payload if pkt.fields.get("x") else None
-    _accept_rs(ctx, rnd, src, b, c, values, float(w), keep)
+    return src, b, c, values, float(w), keep
+
+
+def accept_rs_batch(ctx: PhaseContext, rnd: Round, parts: list[RsPart]) -> None:
+    """:func:`_accept_rs` for each of ``parts`` in order, adding per bucket in one call.
+
+    The reducer (:meth:`.reducer.ShardReducer.accumulate_batch`) decides each part
+    as it would one by one; the bookkeeping then follows in arrival order.
+    """
+    if len(parts) == 1:
+        _accept_rs(ctx, rnd, *parts[0])
+        return
+    reasons: list[str | None] = [None] * len(parts)
+    buckets: dict[int, list[int]] = {}
+    for i, part in enumerate(parts):
+        buckets.setdefault(part[1], []).append(i)
+    for b, idx in buckets.items():
+        got = rnd.reducers[b].accumulate_batch(
+            [(parts[i][0], parts[i][2], parts[i][3], parts[i][4]) for i in idx]
+        )
+        for i, reason in zip(idx, got, strict=True):
+            reasons[i] = reason
+    for (src, b, c, _, _, keep), reason in zip(parts, reasons, strict=True):
+        if reason is not None:
+            ctx.dropped[reason] += 1
+        else:
+            _counted_rs(ctx, rnd, src, b, c, keep)
 
 
 def _accept_rs(
@@ -220,6 +271,13 @@ def _accept_rs(
     if refused is not None:  # not ours, a duplicate, non-finite: counted, never added
         ctx.dropped[refused] += 1
         return
+    _counted_rs(ctx, rnd, src, b, c, keep)
+
+
+def _counted_rs(
+    ctx: PhaseContext, rnd: Round, src: str, b: int, c: int, keep: memoryview | None
+) -> None:
+    """The bookkeeping of one added contribution: kept payload, arrivals, completion."""
     if keep is not None:
         rnd.fec_held[(src, b, c)] = keep
     rs = rnd.rs

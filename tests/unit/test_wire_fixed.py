@@ -1,0 +1,163 @@
+"""The fixed binary header of data packets: its byte layout, every check, batches.
+
+Headers are built here from the layout in ``transport/_data_header.py``'s docstring
+(not through the codec) and signed with ``test_wire.sign``, so each check after
+authentication is reached with a header of our choosing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+from gossipnet.collectives.lossy.kinds import LossyKind
+from gossipnet.config import Config
+from gossipnet.runtime.kinds import NodeKind
+from gossipnet.transport import _data_header as fixed
+from gossipnet.transport.wire import Packet
+from tests.unit.test_wire import codec, sign
+
+LAYOUT = struct.Struct("<BBHBBBBBBHIQQQIIIId")
+RUN_TAG = int.from_bytes(hashlib.blake2b(b"gossipnet", digest_size=4).digest(), "little")
+DATA = {"r": 7, "m": 2, "L": 0xDEADBEEF, "b": 1, "c": 5, "dt": "f32", "n": 4, "w": 0.5}
+
+
+def spec_header(**kw: Any) -> bytes:
+    """A fixed header from the documented layout; ``kw`` overrides its fields."""
+    f: dict[str, Any] = {
+        "magic": 0xC1, "version": 1, "kind": int(LossyKind.RS_DATA), "mode": 2, "dt": 0,
+        "x": 0, "flags": 1, "src": b"x", "tags": b"", "run": RUN_TAG, "epoch": 1, "seq": 0,
+        "r": 7, "L": 9, "b": 0, "c": 3, "n": 2, "w": 1.0, "src_len": None, "ndst": None,
+    }  # fmt: skip
+    f.update(kw)
+    src_len = len(f["src"]) if f["src_len"] is None else f["src_len"]
+    ndst = len(f["tags"]) // 4 if f["ndst"] is None else f["ndst"]
+    head = LAYOUT.pack(
+        f["magic"], f["version"], f["kind"], f["mode"], f["dt"], f["x"], f["flags"], src_len,
+        ndst, 0, f["run"], f["epoch"], f["seq"], f["r"], f["L"], f["b"], f["c"], f["n"], f["w"],
+    )  # fmt: skip
+    return head + f["src"] + f["tags"]
+
+
+def test_layout_is_the_documented_one() -> None:
+    assert fixed.FIXED.format == LAYOUT.format
+    assert fixed.FIXED.size == 64
+    assert fixed.run_tag("gossipnet") == RUN_TAG
+
+
+@pytest.mark.parametrize("mac", ["aes-gmac", "hmac-sha256", "blake2b"])
+def test_data_fields_travel_in_the_fixed_header(mac: str) -> None:
+    cfg = Config(mac=mac)
+    tx, rx = codec("a", cfg=cfg), codec("b", cfg=cfg)
+    payload = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    frames = tx.encode(LossyKind.RS_DATA, {**DATA, "x": 3}, payload, dst="b")
+    assert bytes(frames[0])[0] == fixed.MAGIC
+    pkt = rx.decode(frames)
+    assert isinstance(pkt, Packet)
+    assert pkt.fields == {**DATA, "x": 3}
+    assert (pkt.src, pkt.kind, pkt.directed, pkt.fresh) == ("a", LossyKind.RS_DATA, True, True)
+    assert bytes(pkt.payload) == payload
+    no_w = {k: v for k, v in DATA.items() if k != "w"}
+    pkt = rx.decode(tx.encode(LossyKind.AG_DATA, no_w, payload, dst=["c", "b"]))
+    assert pkt is not None
+    assert pkt.fields == no_w
+    assert not rx.rejects
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {**DATA, "extra": 1},  # another field: msgpack
+        {**DATA, "r": -1},  # outside its field
+        {**DATA, "m": 256},
+        {**DATA, "c": -1},
+        {**DATA, "b": True},  # a bool is not a chunk index
+        {**DATA, "dt": "f128"},
+        {**DATA, "w": "1"},
+        {k: v for k, v in DATA.items() if k != "L"},  # a required field missing
+    ],
+)
+def test_fields_that_do_not_fit_go_in_msgpack(fields: dict[str, Any]) -> None:
+    frames = codec("a").encode(LossyKind.RS_DATA, fields, b"x" * 16, dst="b")
+    assert bytes(frames[0])[0] != fixed.MAGIC
+    rx = codec("b")
+    pkt = rx.decode(frames)
+    if pkt is not None:  # the msgpack path applies its own checks (dtype, count)
+        assert pkt.fields == fields
+
+
+def test_the_spec_header_is_accepted() -> None:
+    rx = codec("b")
+    pkt = rx.decode(sign(spec_header(), b"x" * 8))
+    assert pkt is not None
+    assert pkt.fields == {"r": 7, "m": 2, "L": 9, "b": 0, "c": 3, "dt": "f32", "n": 2, "w": 1.0}
+    assert not pkt.directed
+
+
+def _own_tag() -> bytes:
+    return codec("b")._own_tag
+
+
+FIXED_REJECTS: list[tuple[str, Any, str]] = [
+    ("short", lambda: sign(spec_header()[:40], b"x" * 8), "header_parse"),
+    ("version 2", lambda: sign(spec_header(version=2), b"x" * 8), "version"),
+    ("other run", lambda: sign(spec_header(run=RUN_TAG ^ 1), b"x" * 8), "run"),
+    ("src length", lambda: sign(spec_header(src_len=3), b"x" * 8), "header_parse"),
+    ("tag count", lambda: sign(spec_header(ndst=2), b"x" * 8), "header_parse"),
+    ("trailing", lambda: sign(spec_header() + b"\0", b"x" * 8), "header_parse"),
+    ("empty src", lambda: sign(spec_header(src=b""), b"x" * 8), "header_fields"),
+    ("src not utf-8", lambda: sign(spec_header(src=b"\xff"), b"x" * 8), "header_fields"),
+    ("epoch > int64", lambda: sign(spec_header(epoch=1 << 63), b"x" * 8), "header_fields"),
+    ("seq > int64", lambda: sign(spec_header(seq=1 << 63), b"x" * 8), "header_fields"),
+    ("own id", lambda: sign(spec_header(src=b"b"), b"x" * 8), "own_packet"),
+    ("other dst", lambda: sign(spec_header(flags=5, tags=b"abcd"), b"x" * 8), "destination"),
+    ("no dst tags", lambda: sign(spec_header(flags=5), b"x" * 8), "destination"),
+    ("dtype index", lambda: sign(spec_header(dt=7), b"x" * 8), "dtype"),
+    ("count", lambda: sign(spec_header(n=3), b"x" * 8), "count"),
+    ("count f64", lambda: sign(spec_header(dt=3, n=2), b"x" * 8), "count"),
+    ("future epoch", lambda: sign(spec_header(epoch=(1 << 63) - 1), b"x" * 8), "future_epoch"),
+    ("seq range", lambda: sign(spec_header(seq=(1 << 62)), b"x" * 8), "seq_range"),
+]
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"), [r[1:] for r in FIXED_REJECTS], ids=[r[0] for r in FIXED_REJECTS]
+)
+def test_fixed_rejected_and_counted(frames: Any, reason: str) -> None:
+    rx = codec("b")
+    assert rx.decode(frames()) is None
+    assert rx.rejects == {reason: 1}
+    assert rx.accepted == 0
+
+
+def test_fixed_header_is_authenticated_and_replay_checked() -> None:
+    tx, rx = codec("a"), codec("b")
+    frames = [bytes(f) for f in tx.encode(LossyKind.RS_DATA, DATA, b"x" * 16, dst="b")]
+    assert rx.decode(frames) is not None
+    assert rx.decode(frames) is None  # the same packet again
+    head = bytearray(frames[0])
+    head[4] ^= 1  # the dtype byte: signed like the rest
+    assert rx.decode([bytes(head), *frames[1:]]) is None
+    assert rx.rejects == {"replay": 1, "mac": 1}
+    local = tx.encode(LossyKind.RS_DATA, DATA, b"x" * 16, local=True, dst="b")
+    assert rx.decode(local) is None  # unsigned, but not on a local channel
+    assert rx.rejects["mac"] == 2
+
+
+def test_destination_tag_of_a_group() -> None:
+    tx = codec("a")
+    frames = tx.encode(LossyKind.AG_DATA, DATA, b"x" * 16, dst=["b", "c"])
+    assert codec("c").decode(frames) is not None
+    d = codec("d")
+    assert d.decode(frames) is None
+    assert d.rejects == {"destination": 1}
+
+
+def test_control_packets_stay_msgpack() -> None:
+    frames = codec("a").encode(NodeKind.HELLO, {"addr": "mem://a"}, b"", dst="b")
+    assert bytes(frames[0])[0] & 0xF0 == 0x80  # a msgpack fixmap
+    assert codec("b").decode(frames) is not None
