@@ -32,6 +32,10 @@ Buffer = bytes | bytearray | memoryview
 #: Called on the loop thread with the received frames (valid only during the call
 #: unless the handler keeps a reference; backends never reuse a delivered buffer).
 PacketHandler = Callable[[list[memoryview]], None]
+#: Optional per-drain delivery: every packet one drain read, in order, in one call
+#: (a backend with a ``batch_handler`` attribute calls it instead of the per-packet
+#: handler when it is set; the node sets it).
+BatchHandler = Callable[[list[list[memoryview]]], None]
 
 
 class LocalFrames(list[memoryview]):

@@ -52,7 +52,7 @@ from gossipnet.transport.address import (
     split_address,
     split_host_port,
 )
-from gossipnet.transport.base import Buffer, PacketHandler, Transport
+from gossipnet.transport.base import BatchHandler, Buffer, PacketHandler, Transport
 from gossipnet.transport.udp.gso import (
     GRO_ANCILLARY_BYTES,
     PathStats,
@@ -169,6 +169,8 @@ class UdpTransport(Transport):
         self._advertise_host = advertise_host
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: per-drain delivery (the node sets it); None: one handler call per packet
+        self.batch_handler: BatchHandler | None = None
         self._v6 = False
         self._names = Resolver(self.clock)
         self._addrs = self._names.addrs  # dst URL -> socket address: the hot path's lookup
@@ -278,10 +280,23 @@ class UdpTransport(Transport):
 
     # ------------------------------------------------------------------ receive
     def _drain(self) -> None:
-        """Read the datagrams the kernel holds (the fd is level-triggered: no re-arm)."""
+        """Read the datagrams the kernel holds (the fd is level-triggered: no re-arm).
+
+        With a :attr:`batch_handler` set, the drain's packets go to it in one call at
+        the end of the drain, in order (the node's per-drain intake).
+        """
         sock, handler = self._sock, self._handler
         if sock is None or handler is None:
             return
+        batch: list[list[memoryview]] | None = [] if self.batch_handler is not None else None
+        try:
+            self._read(sock, handler, batch)
+        finally:
+            self._hand_over(batch)
+
+    def _read(
+        self, sock: socket.socket, handler: PacketHandler, batch: list[list[memoryview]] | None
+    ) -> None:
         stats = self.stats
         for _ in range(_DRAIN_BATCH):
             try:
@@ -292,7 +307,7 @@ class UdpTransport(Transport):
                 stats.send_errors += 1
                 continue
             self.path_stats.recv_calls += 1
-            self._deliver(data, handler)
+            self._deliver(data, handler, batch)
             if self._sock is None:
                 return
 
@@ -301,6 +316,15 @@ class UdpTransport(Transport):
         sock, handler = self._sock, self._handler
         if sock is None or handler is None:
             return
+        batch: list[list[memoryview]] | None = [] if self.batch_handler is not None else None
+        try:
+            self._read_gro(sock, handler, batch)
+        finally:
+            self._hand_over(batch)
+
+    def _read_gro(
+        self, sock: socket.socket, handler: PacketHandler, batch: list[list[memoryview]] | None
+    ) -> None:
         stats, path = self.stats, self.path_stats
         for _ in range(_DRAIN_BATCH):
             try:
@@ -318,16 +342,30 @@ class UdpTransport(Transport):
             if segment and segment < len(data):
                 path.gro_reads += 1
                 for view in split_segments(data, segment):
-                    self._deliver(view, handler)
+                    self._deliver(view, handler, batch)
                     if self._sock is None:
                         return
             else:
-                self._deliver(data, handler)
+                self._deliver(data, handler, batch)
                 if self._sock is None:
                     return
 
-    def _deliver(self, data: bytes | memoryview, handler: PacketHandler) -> None:
-        """Parse one datagram and hand its frames over; broken framing is a counted drop."""
+    def _hand_over(self, batch: list[list[memoryview]] | None) -> None:
+        """Give one drain's packets to the batch handler (nothing when there is none)."""
+        if batch and self.batch_handler is not None:
+            try:
+                self.batch_handler(batch)
+            except Exception:
+                _log.exception("batch handler raised on %s; packets dropped", self.address)
+
+    def _deliver(
+        self,
+        data: bytes | memoryview,
+        handler: PacketHandler,
+        batch: list[list[memoryview]] | None = None,
+    ) -> None:
+        """Parse one datagram and hand its frames over (or keep them for the drain's
+        batch); broken framing is a counted drop."""
         stats = self.stats
         frames = parse_datagram(data)
         if frames is None:
@@ -335,6 +373,9 @@ class UdpTransport(Transport):
             return
         stats.recv_packets += 1
         stats.recv_bytes += len(data) - 1 - 4 * len(frames)
+        if batch is not None:
+            batch.append(frames)
+            return
         try:
             handler(frames)
         except Exception:

@@ -39,7 +39,7 @@ import logging
 import os
 import secrets
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import ClassVar, cast
 
 import zmq
@@ -53,7 +53,14 @@ from gossipnet.transport.address import (
     split_address,
     split_host_port,
 )
-from gossipnet.transport.base import Buffer, LocalFrames, PacketHandler, Transport, is_frozen
+from gossipnet.transport.base import (
+    BatchHandler,
+    Buffer,
+    LocalFrames,
+    PacketHandler,
+    Transport,
+    is_frozen,
+)
 from gossipnet.transport.zeromq.local_ipc import ALIASED_HOST, alias_path
 from gossipnet.transport.zeromq.routes import PushRoutes
 
@@ -69,7 +76,6 @@ _log = logging.getLogger(__name__)
 #: call with 256, 0.40-0.41 s with 32; 16 KiB chunks at 1M: unchanged).
 _DRAIN_BATCH = 32
 #: Called with the packets of one drain, in order (``PacketIO.on_batch``), where set.
-BatchHandler = Callable[[list[list[memoryview]]], None]
 #: Room for the MAC and msgpack framing on top of header + payload limits.
 _PACKET_SLACK_BYTES = 64
 _FLAGS_MORE = zmq.NOBLOCK | zmq.SNDMORE
