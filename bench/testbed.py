@@ -44,7 +44,9 @@ at 5% loss took 1.5 s at MTU 9000 and 11.6 s at MTU 1500 on this testbed).
 ``--mtu 1500`` runs it anyway, with 1 KiB chunks.
 
 CPU: each worker's ``process_time`` per op (every thread of the process: the
-training loop, gossipnet's event loop, gloo's), the mean over hosts; the table
+training loop, gossipnet's event loop, gloo's), the mean over hosts (gossipnet
+cells also give its reports' ``extra["cpu_s"]`` and ``["cpu_caller_s"]`` as
+``loop_cpu_s`` and ``caller_cpu_s``); the table
 and every row's JSON give gossipnet's CPU per step and per all-reduce as a
 ratio to gloo's (``cpu_vs_gloo_step``, ``cpu_vs_gloo_allreduce``).  Why it
 matters: real training shares the CPU with data loading and the framework.
@@ -163,7 +165,7 @@ def _merge(name: str, per_rank: list[dict[str, Any]], timeout_s: float) -> dict[
             "cpu_s": statistics.fmean(c["cpu_s"] for c in cells),
             "timed_out": False,
         }
-        for k in ("stale_frac", "delivered"):
+        for k in ("stale_frac", "delivered", "loop_cpu_s", "caller_cpu_s"):
             if k in cells[0]:
                 out[k] = sum(c[k] for c in cells) / len(cells)
         return out
