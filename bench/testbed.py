@@ -7,9 +7,10 @@ measures that on the namespace testbed (``gossipnet.testbed``, needs root):
 forwarding path (so TCP learns of it only from missing ACKs, as on a wire),
 optionally every link capped with ``tc tbf``.
 
-Rows: kernel loss 0, 1, 5 and 10% (``--quick``: 0, 5, 10), without and with a
-bandwidth cap, and busy rows (below), in one run.  Per row and backend, every
-host times R back-to-back
+Rows: kernel loss 0, 1, 5 and 10%, without and with a bandwidth cap, and busy
+rows (below), in one run; ``--quick`` runs 0, 5 and 10% uncapped and 0 and 5%
+capped (the 1% rows and the capped 10% row, ~80 s, make room for the busy row
+in its 6 minutes).  Per row and backend, every host times R back-to-back
 
   step       forward/backward of an MLP (32 -> H -> H -> 10) + gradient averaging
              + SGD step: ``net.optimizer(SGD).step()`` for gossipnet (UDP backend),
@@ -111,6 +112,7 @@ def _args() -> Any:
     p = bench_parser(__doc__)
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--losses", default=None, help="kernel loss rates (quick: 0,0.05,0.1)")
+    p.add_argument("--cap-losses", default=None, help="capped rows' rates (quick: 0,0.05)")
     p.add_argument("--busy", type=int, default=1, help="busy-loop processes in the busy rows")
     p.add_argument("--busy-losses", default=None, help="uncapped rows run busy too (0.05)")
     p.add_argument("--cap-mbit", type=float, default=100.0, help="the capped rows' link rate")
@@ -133,6 +135,8 @@ def _args() -> Any:
     a.chunk_bytes = a.chunk_bytes or chunk_for_mtu(a.mtu)
     a.losses = a.losses or ("0,0.05,0.1" if q else "0,0.01,0.05,0.1")
     a.loss_list = [float(x) for x in a.losses.split(",")]
+    a.cap_losses = a.cap_losses or ("0,0.05" if q else a.losses)
+    a.cap_list = [float(x) for x in a.cap_losses.split(",")]
     a.busy_losses = a.busy_losses or ("0.05" if q else "0,0.05")
     a.busy_list = [float(x) for x in a.busy_losses.split(",")] if a.busy > 0 else []
     return a
@@ -197,7 +201,7 @@ def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[
     """Every row in turn: uncapped, uncapped with ``--busy`` processes, capped."""
     plan = [(None, loss, 0) for loss in a.loss_list]
     plan += [(None, loss, a.busy) for loss in a.busy_list]
-    plan += [(a.cap_mbit, loss, 0) for loss in a.loss_list]
+    plan += [(a.cap_mbit, loss, 0) for loss in a.cap_list]
     rows: list[dict[str, Any]] = []
     per_phase_s = 2 * (a.reps + 1) * 10.0 + (2 * a.gloo_reps + 2) * a.gloo_timeout_s + 60
     for k, (cap, loss, busy) in enumerate(plan):
@@ -354,7 +358,7 @@ def main() -> int:
     t_start = time.monotonic()
     with Testbed(hosts=a.hosts, mtu=a.mtu) as tb:
         checks = []
-        for loss in a.loss_list:
+        for loss in sorted({*a.loss_list, *a.cap_list, *a.busy_list}):
             tb.set_loss(None, loss)
             m = measure_loss(tb, 0, 1, count=a.probe_packets)
             print(f"loss check: {m}", flush=True)
@@ -399,7 +403,7 @@ def main() -> int:
             "loss_check": checks,
             "settings": settings,
             "rows": rows,
-            "config": {k: v for k, v in vars(a).items() if k != "loss_list"},
+            "config": {k: v for k, v in vars(a).items() if not k.endswith("_list")},
             "wall_s": round(time.monotonic() - t_start, 1),
         }
     )
