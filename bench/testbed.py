@@ -221,6 +221,7 @@ def _run_phases(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[
             results = _wait_all(tb, tasks, paths, per_phase_s)
         row: dict[str, Any] = {"loss": loss, "cap_mbit": cap, "busy": busy}
         row["wall_s"] = time.monotonic() - t0
+        row["load_1m"] = os.getloadavg()[0]  # other jobs on the machine: read timings with it
         row["kernel_drops"] = {k2: v - drops0[k2] for k2, v in _kernel_drops(tb).items()}
         for backend in ("gossipnet", "gloo"):
             for op in ("step", "allreduce"):
