@@ -12,9 +12,9 @@ How, and why that cheaply: :func:`time.thread_time` read twice per
 collective on each thread, never per packet.  The loop thread's figure is a
 delta over the collective's lifetime on that thread, so it also counts
 whatever else the loop did meanwhile (heartbeats, membership, another
-collective running concurrently, packets of other rounds): on a peer that
-runs one collective at a time that is a few percent; it is the loop's cost
-while the collective ran, not a per-round attribution.  Work that the loop
+collective running concurrently, packets of other rounds): it is the
+loop's cost while the collective ran, not an exact attribution, and for a
+tiny collective the heartbeats can be most of it.  Work that the loop
 hands to other threads (``asyncio.to_thread``, e.g. a resync's parameter
 digest) is on neither figure.
 """

@@ -265,7 +265,8 @@ class AllReduceStrategy:
         due = step == 0 or (self.resync_every and step % self.resync_every == 0)
         if due and rid >= engine.next_round:  # else an explicit resync just ran
             resync, loop_s = await loop_cpu(self._resync(params, rid))
-            stamp_cpu(resync, loop_s)  # an explicit resync() right after may return it
+            # an explicit resync() right after may return it; the caller's share is the step's
+            stamp_cpu(resync, loop_s, 0.0)
             align = engine.alignment()
             if align.we_are_behind or align.we_are_ahead:
                 self._last_align = align
