@@ -140,6 +140,7 @@ class _Bench:
         for name, op in (("step", self.gn_step), ("allreduce", self.gn_allreduce)):
             op()  # warm-up: phase deadlines re-learn the new conditions
             stale = total = lost = sent = 0
+            loop_cpu = caller_cpu = 0.0
             times = []
             cpu0 = time.process_time()
             for _ in range(reps):
@@ -150,11 +151,15 @@ class _Bench:
                 total += rep.chunks_total
                 lost += rep.packets_lost
                 sent += rep.packets_received + rep.packets_lost
+                loop_cpu += rep.extra.get("cpu_s", float("nan"))  # NaN: a gossipnet before #21
+                caller_cpu += rep.extra.get("cpu_caller_s", float("nan"))
             out[name] = {
                 "times": times,
                 "cpu_s": (time.process_time() - cpu0) / reps,
                 "stale_frac": stale / total if total else 0.0,
                 "delivered": 1.0 - lost / sent if sent else 1.0,
+                "loop_cpu_s": loop_cpu / reps,  # the reports' own figures
+                "caller_cpu_s": caller_cpu / reps,
             }
         return out
 

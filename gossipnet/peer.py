@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 
@@ -36,6 +37,7 @@ from gossipnet.mobility.radio import RadioModel
 from gossipnet.mobility.routes import Route
 from gossipnet.mobility.schedule import ScheduleConfig
 from gossipnet.reports import CollectiveReport
+from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.runtime.join import advertise_host
 from gossipnet.runtime.loop import LoopThread
@@ -187,6 +189,7 @@ class Peer:
         """
         if not tensors:
             raise ValueError("all_reduce needs at least one tensor")
+        cpu0 = time.thread_time()
         staged = stage(self._flat_for(tensors), tensors)
         if staged.nonfinite:
             log.warning(
@@ -195,8 +198,9 @@ class Peer:
             )
             weight = 0.0
         t = self.config.collective_timeout_s if timeout is None else timeout
-        report = self._call(self._all_reduce(staged.cpu, weight, t), t + 30)
+        report, loop_s = self._call(loop_cpu(self._all_reduce(staged.cpu, weight, t)), t + 30)
         staged.write_back(tensors)
+        stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if staged.nonfinite:
             report.extra["nonfinite_local"] = 1.0
         return report
@@ -321,6 +325,7 @@ class Peer:
             raise ValueError("average needs at least one tensor")
         averager = self._moshpit
         cfg = moshpit_config(averager.config, group_size, timeout)
+        cpu0 = time.thread_time()
         staged = stage(self._flat_for(tensors), tensors)
         if staged.nonfinite:
             log.warning("peer %s: non-finite values to average; weight 0 this call", self.peer_id)
@@ -329,9 +334,10 @@ class Peer:
         coro = averager.average(
             staged.cpu, rounds=rounds, weight=weight, config=cfg, start_round=start_round
         )
-        report = self._call(coro, moshpit_bound_s(cfg, n_rounds, self.config.collective_timeout_s))
+        bound_s = moshpit_bound_s(cfg, n_rounds, self.config.collective_timeout_s)
+        report, loop_s = self._call(loop_cpu(coro), bound_s)
         staged.write_back(tensors)
-        return report
+        return stamp_cpu(report, loop_s, time.thread_time() - cpu0)
 
     def set_route(
         self,

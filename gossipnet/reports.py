@@ -41,6 +41,14 @@ class CollectiveReport:
             from parity, which ``packets_lost`` still counts as lost on the wire),
             ``estimated`` (``net.optimizer`` with ``Config.stale_step``: stale
             parameter chunks moved by an estimated step; still in ``chunks_stale``).
+            Every all-reduce, optimizer round (gradients, resync), Moshpit and route
+            average also carries ``cpu_s``: CPU seconds of this peer's event-loop
+            thread over the collective (two ``time.thread_time`` reads on that thread,
+            never per packet; the loop may serve other work meanwhile, heartbeats or
+            membership, so it is the loop's cost while the collective ran), and
+            ``cpu_caller_s``: CPU seconds the calling thread spent on it (flattening,
+            staging copies, writing results back).  Their sum is what the network cost
+            this machine's CPU (:mod:`gossipnet.runtime.cputime`).
     """
 
     round: RoundId = 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,6 +51,7 @@ from gossipnet.collectives.lossy.round_id import (
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.collectives.statesync.sync import TransferReport
 from gossipnet.reports import CollectiveReport
+from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._realign import Realigner
 from gossipnet.training._shards import ShardedOptimizer
@@ -151,6 +153,7 @@ class AllReduceStrategy:
         if closure is not None:
             with torch.enable_grad():
                 closure()
+        cpu0 = time.thread_time()  # the caller's share: flatten, stage, write back
         grads = self._gradients()
         mb = self.host.take_microbatch_report()  # the last net.microbatches loop, once
         if weight is None:
@@ -170,10 +173,11 @@ class AllReduceStrategy:
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         gstaged = [g.cpu() for g in grads]
         with self.state_lock:
-            coro = self._round(gstaged, staged, weight, self.step_count)
-            report = self.host.call(coro, self.timeout_s * 3 + 30)
+            coro = loop_cpu(self._round(gstaged, staged, weight, self.step_count))
+            report, loop_s = self.host.call(coro, self.timeout_s * 3 + 30)
             _write_back(params, staged)
             self.step_count += 1
+        stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if mb is not None:
             report.extra.update(mb.as_extra())
         self.realign.after_step(report, self._last_align)
@@ -206,11 +210,13 @@ class AllReduceStrategy:
         if rid >= self._rid(self.step_count, GRADIENTS) and self.last_resync is not None:
             return self.last_resync  # two resyncs already since the last step: nothing changed
         with self.state_lock:
+            cpu0 = time.thread_time()
             params = self.param_buckets()
             staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
-            report = self.host.call(self._resync(staged, rid), self.timeout_s * 2 + 30)
+            coro = loop_cpu(self._resync(staged, rid))
+            report, loop_s = self.host.call(coro, self.timeout_s * 2 + 30)
             _write_back(params, staged)
-        return report
+        return stamp_cpu(report, loop_s, time.thread_time() - cpu0)
 
     def param_buckets(self) -> list[torch.Tensor]:
         """The flat parameter buckets, every group's, in order."""
@@ -258,7 +264,9 @@ class AllReduceStrategy:
         rid = self._rid(step, SCHEDULED_RESYNC)
         due = step == 0 or (self.resync_every and step % self.resync_every == 0)
         if due and rid >= engine.next_round:  # else an explicit resync just ran
-            resync = await self._resync(params, rid)
+            resync, loop_s = await loop_cpu(self._resync(params, rid))
+            # an explicit resync() right after may return it; the caller's share is the step's
+            stamp_cpu(resync, loop_s, 0.0)
             align = engine.alignment()
             if align.we_are_behind or align.we_are_ahead:
                 self._last_align = align

@@ -14,6 +14,7 @@ plan (a function of the round's route time) is the same everywhere.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from gossipnet.collectives.chunks import all_finite
 from gossipnet.collectives.statesync.sync import TransferReport
 from gossipnet.errors import ConfigError
 from gossipnet.reports import CollectiveReport
+from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
 from gossipnet.training._local_step import scale_for_microbatches, state_tensors
 from gossipnet.training.host import TrainingHost
 from gossipnet.training.options import RouteOptions
@@ -56,6 +58,7 @@ def route_average(
         raise ValueError("average needs at least one tensor")
     if rounds is not None and rounds < 1:
         raise ConfigError(f"rounds must be >= 1, got {rounds}")
+    cpu0 = time.thread_time()  # the caller's share: flatten, join, copy back
     flat = host.flat_for(tensors)
     buckets = flat.flatten(tensors)
     me = host.peer_id
@@ -72,17 +75,20 @@ def route_average(
     joined = torch.cat([b.detach().reshape(-1).to("cpu", torch.float32) for b in buckets])
     share_wait = host.config.control_timeout_s if timeout is None else timeout
     reports = []
+    loop_s = 0.0
     for i in range(rounds or 1):
         rnd = None if start_round is None else start_round + i
-        coro = averager.average(joined, rnd=rnd, share_wait_s=share_wait)
-        reports.append(host.call(coro, averager.bound_s(share_wait) + 30))
+        coro = loop_cpu(averager.average(joined, rnd=rnd, share_wait_s=share_wait))
+        report, cpu_s = host.call(coro, averager.bound_s(share_wait) + 30)
+        reports.append(report)
+        loop_s += cpu_s
     offset = 0
     for b in buckets:
         n = b.numel()
         b.copy_(joined[offset : offset + n].view_as(b))
         offset += n
     flat.unflatten_into(tensors)
-    return _merge(reports)
+    return stamp_cpu(_merge(reports), loop_s, time.thread_time() - cpu0)
 
 
 def _merge(reports: list[CollectiveReport]) -> CollectiveReport:
