@@ -30,7 +30,7 @@ class Config:
             torchrun, else a random hex id).
     Transport
         chunk_bytes: payload bytes per data packet; ``None`` takes the backend's
-            default (256 KiB for ZeroMQ, 1400 B for UDP so a datagram fits one MTU).
+            default (256 KiB for ZeroMQ, 1024 B for UDP so a datagram fits one MTU).
         send_queue_packets: per-destination send queue; a full queue drops the packet.
         recv_queue_packets: receive queue before the kernel/ZeroMQ drops.
         udp_socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF asked for UDP sockets.

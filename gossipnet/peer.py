@@ -198,7 +198,8 @@ class Peer:
             )
             weight = 0.0
         t = self.config.collective_timeout_s if timeout is None else timeout
-        report, loop_s = self._call(loop_cpu(self._all_reduce(staged.cpu, weight, t)), t + 30)
+        work = functools.partial(self._all_reduce, staged.cpu, weight, t)
+        report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if staged.nonfinite:
@@ -331,11 +332,16 @@ class Peer:
             log.warning("peer %s: non-finite values to average; weight 0 this call", self.peer_id)
             weight = 0.0
         n_rounds = rounds or averager.grid_for(len(self.alive_peers()), cfg).dims
-        coro = averager.average(
-            staged.cpu, rounds=rounds, weight=weight, config=cfg, start_round=start_round
+        work = functools.partial(
+            averager.average,
+            staged.cpu,
+            rounds=rounds,
+            weight=weight,
+            config=cfg,
+            start_round=start_round,
         )
         bound_s = moshpit_bound_s(cfg, n_rounds, self.config.collective_timeout_s)
-        report, loop_s = self._call(loop_cpu(coro), bound_s)
+        report, loop_s = self._call(loop_cpu(work), bound_s)
         staged.write_back(tensors)
         return stamp_cpu(report, loop_s, time.thread_time() - cpu0)
 

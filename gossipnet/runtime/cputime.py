@@ -22,7 +22,7 @@ digest) is on neither figure.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from gossipnet.reports import CollectiveReport
@@ -35,11 +35,16 @@ CPU_LOOP_KEY = "cpu_s"
 CPU_CALLER_KEY = "cpu_caller_s"
 
 
-async def loop_cpu(work: Awaitable[T]) -> tuple[T, float]:
-    """Await ``work`` on the loop thread; return its result and the loop thread's
-    CPU seconds meanwhile (``time.thread_time`` at start and end, so >= 0)."""
+async def loop_cpu(make: Callable[[], Awaitable[T]]) -> tuple[T, float]:
+    """Run ``make()`` on the loop thread; return its result and the loop thread's
+    CPU seconds meanwhile (``time.thread_time`` at start and end, so >= 0).
+
+    Why a factory, not an awaitable: a call refused before it runs (the peer was
+    closed) closes this coroutine unstarted; an inner coroutine made by the caller
+    would then be collected never awaited (a ``RuntimeWarning``).
+    """
     t0 = time.thread_time()
-    out = await work
+    out = await make()
     return out, max(0.0, time.thread_time() - t0)
 
 

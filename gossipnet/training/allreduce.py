@@ -30,6 +30,7 @@ peer's state and step count (:mod:`gossipnet.training._realign`).  The report's
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -173,7 +174,9 @@ class AllReduceStrategy:
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         gstaged = [g.cpu() for g in grads]
         with self.state_lock:
-            coro = loop_cpu(self._round(gstaged, staged, weight, self.step_count))
+            coro = loop_cpu(
+                functools.partial(self._round, gstaged, staged, weight, self.step_count)
+            )
             report, loop_s = self.host.call(coro, self.timeout_s * 3 + 30)
             _write_back(params, staged)
             self.step_count += 1
@@ -213,7 +216,7 @@ class AllReduceStrategy:
             cpu0 = time.thread_time()
             params = self.param_buckets()
             staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
-            coro = loop_cpu(self._resync(staged, rid))
+            coro = loop_cpu(functools.partial(self._resync, staged, rid))
             report, loop_s = self.host.call(coro, self.timeout_s * 2 + 30)
             _write_back(params, staged)
         return stamp_cpu(report, loop_s, time.thread_time() - cpu0)
@@ -264,7 +267,7 @@ class AllReduceStrategy:
         rid = self._rid(step, SCHEDULED_RESYNC)
         due = step == 0 or (self.resync_every and step % self.resync_every == 0)
         if due and rid >= engine.next_round:  # else an explicit resync just ran
-            resync, loop_s = await loop_cpu(self._resync(params, rid))
+            resync, loop_s = await loop_cpu(functools.partial(self._resync, params, rid))
             # an explicit resync() right after may return it; the caller's share is the step's
             stamp_cpu(resync, loop_s, 0.0)
             align = engine.alignment()

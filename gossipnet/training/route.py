@@ -13,6 +13,7 @@ plan (a function of the round's route time) is the same everywhere.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -78,7 +79,9 @@ def route_average(
     loop_s = 0.0
     for i in range(rounds or 1):
         rnd = None if start_round is None else start_round + i
-        coro = loop_cpu(averager.average(joined, rnd=rnd, share_wait_s=share_wait))
+        coro = loop_cpu(
+            functools.partial(averager.average, joined, rnd=rnd, share_wait_s=share_wait)
+        )
         report, cpu_s = host.call(coro, averager.bound_s(share_wait) + 30)
         reports.append(report)
         loop_s += cpu_s
