@@ -35,7 +35,7 @@ from typing import ClassVar
 
 from gossipnet.clock import Clock, TimerHandle
 from gossipnet.errors import ClosedError
-from gossipnet.transport.base import Buffer, PacketHandler, Transport, TransportStats
+from gossipnet.transport.base import BatchHandler, Buffer, PacketHandler, Transport, TransportStats
 from gossipnet.transport.fault_plan import (
     Crash,
     FaultPlan,
@@ -108,6 +108,7 @@ class FaultyTransport(Transport):
     ) -> None:
         # Not calling Transport.__init__: stats and address are the inner backend's.
         self._handler: PacketHandler | None = None
+        self._batch_handler: BatchHandler | None = None
         self.inner = inner
         self.plan = plan
         self.clock = clock
@@ -199,6 +200,30 @@ class FaultyTransport(Transport):
         return any(c.down(when) for c in crashes)
 
     # -- data path ---------------------------------------------------------------
+    @property
+    def batch_handler(self) -> BatchHandler | None:
+        """Per-drain delivery, passed through to an inner backend that offers it.
+
+        Why: faults act on the send side, so what the inner backend read in one drain
+        can go up in one call as well (the node's per-drain intake); a receive-side
+        crash drops the whole drain, counted per packet.
+        """
+        return self._batch_handler
+
+    @batch_handler.setter
+    def batch_handler(self, handler: BatchHandler | None) -> None:
+        self._batch_handler = handler
+        if hasattr(self.inner, "batch_handler"):
+            setattr(self.inner, "batch_handler", None if handler is None else self._on_batch)  # noqa: B010
+
+    def _on_batch(self, batch: list[list[memoryview]]) -> None:
+        if self._closed or self._batch_handler is None:
+            return
+        if self._crashes and self.name is not None and self.is_crashed(self.name):
+            self.fault_stats.dropped_crash += len(batch)
+            return
+        self._batch_handler(batch)
+
     def _on_packet(self, frames: list[memoryview]) -> None:
         if self._closed or self._handler is None:
             return

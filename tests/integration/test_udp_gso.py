@@ -239,3 +239,31 @@ def test_a_batch_handler_gets_each_drain_in_one_call_in_order(gso: bool) -> None
                 await t.close()
 
     run(main(), timeout_s=TIMEOUT_S * 2)
+
+
+def test_a_fault_plan_passes_drains_through() -> None:
+    """FaultyTransport over UDP (faults act on the send side): with loss 0 every packet
+    reaches the node's batch handler, in drains (fewer calls than packets)."""
+    from gossipnet.clock import MonotonicClock
+    from gossipnet.transport.fault_plan import FaultPlan
+    from gossipnet.transport.faults import FaultyTransport
+
+    async def main() -> None:
+        config = Config()
+        got: list[int] = []
+        tx = UdpTransport(config)
+        await tx.start(lambda frames: None)
+        rx = FaultyTransport(UdpTransport(config), FaultPlan(seed=1), MonotonicClock())
+        rx.batch_handler = lambda batch: got.append(len(batch))
+        await rx.start(lambda frames: None)
+        try:
+            for i in range(200):
+                assert tx.send(rx.address, [struct.pack(">I", i), b"x" * 500])
+            await wait_until(lambda: sum(got) >= 200, TIMEOUT_S, what="200 packets")
+            assert sum(got) == 200
+            assert len(got) < 200
+        finally:
+            await tx.close()
+            await rx.close()
+
+    run(main(), timeout_s=TIMEOUT_S * 2)
