@@ -1,9 +1,4 @@
-"""Packet kinds 16-31: the loss-tolerant all-reduce.
-
-Each protocol owns a range of kinds next to its code; ranges never overlap
-(``tests/unit/test_kinds.py``).  Decoding accepts any kind in [0, 65535] (a newer
-peer may send one); a node counts kinds nobody subscribed to as unhandled.
-"""
+"""Packet kinds 16-31: the loss-tolerant all-reduce (rules: :mod:`gossipnet.runtime.kinds`)."""
 
 from __future__ import annotations
 

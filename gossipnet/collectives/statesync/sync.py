@@ -76,13 +76,7 @@ __all__ = (
 class StateSync:
     """Serves this peer's published state and downloads others'; loop thread only.
 
-    Args:
-        node: the started node.
-        window_chunks: chunks asked for at once (flow control without acks).
-        retry_s: re-ask for outstanding chunks after this long without progress.
-        stall_timeout_s: leave a source that made no progress this long.
-        max_state_bytes: a manifest claiming a larger state is rejected (a peer
-            must not make us allocate what it likes).
+    Args: those of :class:`StateClient` (``window_chunks`` also paces the server).
 
     Raises:
         ValueError: an argument out of range.
