@@ -135,10 +135,11 @@ def test_host_cut_mid_run_leaves_the_others_training(bed: Testbed, tmp_path: Pat
     for r in results[:victim]:
         assert r["steps_done"] == STEPS, r
         assert not r["timed_out"]
-        # the last round had every survivor and not the cut host; alive_end is read
-        # after the last step, when a survivor that finished first may have closed
-        # already (its silence then outlasts failure_timeout_s on a loaded machine)
-        assert sorted(r["participants_last"]) == survivors, r["participants_last"]
+        # the cut host is out of the last round and of the alive set; who else was in
+        # them depends on when each survivor finished (one that finished first may have
+        # closed already: seen in CI, a survivor's last round alone), so no more is said
+        assert f"h{victim}" not in r["participants_last"]
+        assert set(r["participants_last"]) <= set(survivors), r["participants_last"]
         assert f"h{victim}" not in r["alive_end"]
         assert f"h{r['rank']}" in r["alive_end"]
         evals = dict(r["evals"])
