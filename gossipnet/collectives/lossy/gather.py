@@ -23,7 +23,7 @@ import collections
 
 import torch
 
-from gossipnet.collectives.chunks import all_finite, as_bytes
+from gossipnet.collectives.chunks import all_finite, as_bytes, worth_stacking
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.cut import wait_phase
 from gossipnet.collectives.lossy.packets import (
@@ -246,7 +246,12 @@ def _finite_rows(rnd: Round, items: list[tuple[int, torch.Tensor]]) -> list[bool
     for i, (b, values) in enumerate(items):
         groups.setdefault((b, values.numel()), []).append(i)
     for (b, _), idx in groups.items():
-        if rnd.plans[b].dtype not in (torch.float32, torch.float64) or len(idx) == 1:
+        plan = rnd.plans[b]
+        if (
+            plan.dtype not in (torch.float32, torch.float64)
+            or len(idx) == 1
+            or not worth_stacking(plan.chunk_elems, plan.dtype)
+        ):
             for i in idx:
                 out[i] = all_finite(items[i][1])
             continue
@@ -260,7 +265,8 @@ def _write_chunks(rnd: Round, b: int, chunks: list[tuple[int, torch.Tensor]]) ->
     """Copy accepted chunks into ``dst[b]``: the full ones in one ``index_copy_``."""
     plan, dst = rnd.plans[b], rnd.dst[b]
     step = plan.chunk_elems
-    full = [(c, v) for c, v in chunks if v.numel() == step]
+    stack = worth_stacking(step, dst.dtype)
+    full = [(c, v) for c, v in chunks if stack and v.numel() == step]
     if len(full) > 1:
         grid = dst[: (dst.numel() // step) * step].view(-1, step)
         rows = torch.stack([v for _, v in full]).to(dst.dtype)
