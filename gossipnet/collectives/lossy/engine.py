@@ -288,12 +288,12 @@ class LossyAllReduce:
     def _fast_kind(self, rnd: Round, pkt: Packet) -> int:
         """``pkt``'s kind if it is a data chunk of our round that :meth:`_on_packet`
         would hand straight to :func:`.scatter.on_rs` or :func:`.gather.on_ag`
-        (no parity, no steps measured); else -1."""
+        (no parity); else -1."""
         f, kind = pkt.fields, pkt.kind
         if kind == self.k.rs_data:
             if rnd.rs_closed:
                 return -1
-        elif kind != self.k.ag_data or rnd.sending or rnd.step_mag is not None:
+        elif kind != self.k.ag_data or rnd.sending:
             return -1
         r, m = f.get("r"), f.get("m", 0)
         if not (

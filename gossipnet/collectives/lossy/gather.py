@@ -214,7 +214,8 @@ def on_ag_batch(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
     one row sum and written with one ``index_copy_``; every check is decided per
     packet in :func:`on_ag`'s order (finiteness is a function of the packet alone,
     so computing it first changes no decision), and the bytes written are the same.
-    Not for rounds that measure steps (``rnd.step_mag``): those take :func:`on_ag`.
+    Rounds that measure steps (``rnd.step_mag``, optimizer rounds) measure the
+    stacked rows together (:meth:`.stale_step.StaleStep.measure_rows`).
     """
     items = []
     for pkt in pkts:
@@ -270,9 +271,14 @@ def _write_chunks(rnd: Round, b: int, chunks: list[tuple[int, torch.Tensor]]) ->
     if len(full) > 1:
         grid = dst[: (dst.numel() // step) * step].view(-1, step)
         rows = torch.stack([v for _, v in full]).to(dst.dtype)
-        grid.index_copy_(0, torch.tensor([c for c, _ in full]), rows)
+        idx = torch.tensor([c for c, _ in full])
+        if rnd.step_mag is not None:
+            StaleStep.measure_rows(rnd, b, idx, rows)
+        grid.index_copy_(0, idx, rows)
     for c, values in chunks:
         if len(full) <= 1 or values.numel() != step:
+            if rnd.step_mag is not None:
+                StaleStep.measure(rnd, b, c, values)
             plan.view(dst, c).copy_(values)
 
 
