@@ -90,7 +90,7 @@ class FlatBuffer:
         ValueError: the tensors are on more than one device.
     """
 
-    __slots__ = ("_slots", "_tensors", "_views", "buckets", "device", "dtypes")
+    __slots__ = ("_slots", "_tensors", "_views", "borrowed", "buckets", "device", "dtypes")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self._tensors: tuple[torch.Tensor, ...] = tuple(tensors)
@@ -107,9 +107,12 @@ class FlatBuffer:
         self.dtypes: tuple[torch.dtype, ...] = tuple(groups)
         slots: dict[int, _Slot] = {}
         buckets: list[torch.Tensor] = []
+        #: some bucket is the caller's own memory (zero-copy), not one we allocated
+        self.borrowed = False
         for b, (dtype, members) in enumerate(groups.items()):
             members_t = [self._tensors[i] for i in members]
             bucket = _contiguous_run(members_t)
+            self.borrowed |= bucket is not None
             if bucket is None:
                 total = sum(t.numel() for t in members_t)
                 bucket = torch.empty(total, dtype=dtype, device=self.device)
@@ -219,6 +222,12 @@ class FlatBuffer:
         ]
         _copy_all([t for t, _ in pairs], [v for _, v in pairs])
 
+    def backs(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether every one of ``tensors`` already is its slot's view of the buckets."""
+        return len(tensors) == len(self._views) and all(
+            _aliases(v, t) for v, t in zip(self._views, tensors, strict=True)
+        )
+
     @property
     def numel(self) -> int:
         """Total elements over all buckets."""
@@ -243,11 +252,20 @@ class FlatCache:
     def get(self, tensors: Sequence[torch.Tensor]) -> FlatBuffer:
         """The buffer for ``tensors``' layout, built on first use.
 
+        A cached buffer that borrowed another list's memory (zero-copy: its bucket
+        *is* those tensors) is not reused for other tensors of the same layout:
+        flattening them into it would overwrite the first list's values.  Such
+        calls get a buffer of their own (zero-copy on them where they allow it),
+        which replaces the cached one; a loop that reduces the same tensors every
+        step keeps its zero-copy buffer.
+
         Returns:
             The cached buffer; after more than 8 layouts the cache starts over.
         """
         key = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors)
         flat = self._flats.get(key)
+        if flat is not None and flat.borrowed and not flat.backs(tensors):
+            flat = None
         if flat is None:
             flat = FlatBuffer(tensors)
             if len(self._flats) > _MAX_LAYOUTS:

@@ -68,3 +68,25 @@ def test_stage_zeroes_nonfinite_and_writes_back() -> None:
     staged.write_back(tensors)
     assert tensors[0].tolist() == [3.0, 3.0]
     assert tensors[1].tolist() == [[3.0]]
+
+
+def test_cached_buffer_never_writes_into_another_calls_tensors() -> None:
+    """A buffer that borrowed ``a``'s memory (zero-copy) is not reused for ``b`` of the
+    same layout: flattening ``b`` into it overwrote ``a`` (found by the #22 work)."""
+    cache = FlatCache()
+    a, b = torch.full((1000,), 1.0), torch.full((1000,), 10.0)
+    flat_a = cache.get([a])
+    assert flat_a.borrowed
+    assert flat_a.buckets[0].data_ptr() == a.data_ptr()  # zero-copy for the same tensors
+    flat_b = cache.get([b])
+    flat_b.flatten([b])
+    assert torch.equal(a, torch.full((1000,), 1.0))
+    assert cache.get([b]) is flat_b  # the loop that reduces b every step keeps its buffer
+    strided = torch.full((2000,), 5.0)[::2]  # not contiguous: a bucket of its own
+    flat_s = cache.get([strided])
+    flat_s.flatten([strided])
+    assert not flat_s.borrowed
+    assert torch.equal(b, torch.full((1000,), 10.0))
+    owned = cache.get([strided])
+    assert owned is flat_s  # an allocated bucket is safe to reuse for any tensors
+    assert cache.get([torch.zeros(2000)[::2]]) is flat_s
