@@ -306,6 +306,7 @@ class Peer:
         timeout: float | None = None,
         group_size: int | None = None,
         start_round: int | None = None,
+        compress: Compression | None = None,
     ) -> CollectiveReport:
         """Average ``tensors`` (e.g. parameters) with the other peers, in place.
 
@@ -335,13 +336,16 @@ class Peer:
                 default each call is the next sweep; the optimizer strategy passes
                 ``step // average_every * SWEEP_STRIDE`` so that peers average the same
                 sweep at the same step however long any of them stalled.
+            compress: with ``method="allreduce"``, as :meth:`all_reduce`'s.
 
         Returns:
             The merged :class:`CollectiveReport` (``extra``: rounds, mean group size,
             rounds spent alone).
         """
         if method == "allreduce":
-            return self.all_reduce(tensors, timeout, weight=weight)
+            return self.all_reduce(tensors, timeout, weight=weight, compress=compress)
+        if compress is not None:
+            raise ConfigError(f"compress= applies to method='allreduce' here, not {method!r}")
         if method == "route":
             return route_average(
                 self._training_host,
