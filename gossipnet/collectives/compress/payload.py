@@ -1,7 +1,8 @@
 """The payload formats of compressed chunks: each packet decodable alone.
 
-A compressed data packet carries ``"z"`` (its payload kind, :class:`Z`) beside
-the usual round, mode, layout, bucket and chunk fields, ``dt="u8"`` and ``n`` = its
+A compressed data packet carries ``"z"`` (its payload kind, :class:`Z`; in the
+fixed binary data header, flag bit 3 and the formerly reserved u16) beside the
+usual round, mode, layout, bucket and chunk fields, ``dt="u8"`` and ``n`` = its
 payload's byte length (so the codec's length check still holds).  Every
 payload says, itself, what it holds: its counts, its scale, its index set or
 index list.  Little-endian; counts first, then the sections in order:

@@ -4,8 +4,9 @@ Why a Protocol here: the compressors live in :mod:`gossipnet.collectives.compres
 which knows nothing of rounds' phases; the engine calls it at four points per
 chunk (encode and decode, in each phase) and twice per round (``begin``,
 ``finish``), and a dense round passes none.  Compressed packets carry ``"z"``
-(their payload kind) beside the usual fields, ``dt="u8"`` and ``n`` = payload
-bytes, and take the per-packet path (the batch intake is for dense chunks).
+(their payload kind; in the fixed data header, flag bit 3 and the u16 that was
+reserved) beside the usual fields, ``dt="u8"`` and ``n`` = payload bytes, and
+take the per-packet path (the batch intake is for dense chunks).
 """
 
 from __future__ import annotations
