@@ -38,10 +38,6 @@ __all__ = ("CompressSession", "Ledger")
 
 _QUANT = struct.Struct("<BI")
 _QKIND = {"bf16": 0, "fp16": 1, "int8": 2}
-#: Per-packet bytes beyond the payload of a dense fixed-header data packet (64 B
-#: header, ~12 B sender id, a 4 B destination tag, a 36 B AES-GMAC frame): what
-#: ``bytes_dense`` adds per packet dense float32 would have sent.
-DENSE_OVERHEAD = 116
 
 
 class CompressSession(SessionState):
@@ -54,6 +50,7 @@ class CompressSession(SessionState):
     def chunk_bytes(
         self, base: int, numel: int, itemsize: int, participants: int, param_mode: bool
     ) -> int:
+        self.base_chunk = base
         if param_mode:
             return base
         n = max(1, participants)
@@ -160,9 +157,14 @@ class CompressSession(SessionState):
         return extra
 
     def sent(self, frames: list[Any], copies: int, dense_payload: int) -> None:
+        """Count a data packet's bytes, and what float32 would have sent instead:
+        its payload in packets of the dense chunk size, each with this packet's
+        header and MAC bytes (the same fixed header format)."""
         size = sum(len(f) for f in frames)
+        overhead = size - len(frames[1])
+        packets = max(1, -(-dense_payload // max(1, self.base_chunk)))
         self.counters["bytes_sent"] += size * copies
-        self.counters["bytes_dense"] += (dense_payload + DENSE_OVERHEAD) * copies
+        self.counters["bytes_dense"] += (dense_payload + packets * overhead) * copies
 
     # ------------------------------------------------------------------ chunks
     def encode_rs(self, rnd: Any, owner: str, b: int, c: int) -> tuple[int, bytes]:

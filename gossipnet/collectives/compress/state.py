@@ -87,6 +87,7 @@ class SessionState:
         self.last_round = -1
         self._key: tuple[Any, ...] = ()
         self.param_mode = False
+        self.base_chunk = 64 * 1024  # bytes of a dense chunk (the round's base size)
         self.weight = 1.0
         self.counters: collections.Counter[str] = collections.Counter()
         self.totals: collections.Counter[str] = collections.Counter()

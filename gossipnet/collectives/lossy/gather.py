@@ -167,7 +167,7 @@ async def send_ag(
             }
             z = encoded.get(c)
             if z is not None:  # compressed: its own payload kind and bytes
-                fields.update(dt="u8", n=len(z[1]), z=z[0])
+                fields.update(dt="u8", n=len(z[1]), z=int(z[0]))
                 payload = memoryview(z[1])
             # one encoding (one MAC) for every destination
             frames = node.encode_for(others, kind, fields, payload)

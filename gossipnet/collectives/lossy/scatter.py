@@ -126,7 +126,7 @@ def compressed_rs(
     codec = rnd.codec
     assert codec is not None
     z, payload = codec.encode_rs(rnd, owner, b, c)
-    fields = {**rnd.ident, "b": b, "c": c, "w": weight, "dt": "u8", "n": len(payload), "z": z}
+    fields = {**rnd.ident, "b": b, "c": c, "w": weight, "dt": "u8", "n": len(payload), "z": int(z)}
     frames = ctx.node.encode_for((owner,), ctx.k.rs_data, fields, payload)
     plan = rnd.plans[b]
     codec.sent(frames, rnd.redundancy, plan.chunk(c)[1] * 4)
