@@ -33,7 +33,8 @@ Report keys (``report.extra``): ``bytes_sent`` (frames of the round's data
 packets), ``bytes_dense`` (what float32 would have sent: the payload in chunks of
 the dense size, each with the same header and MAC bytes), ``compression_ratio``,
 ``index_mismatch``, ``missed_announcement``, ``sketch_only``, ``ef_restored``,
-``ef_unresolved`` (this round) and ``ef_unresolved_total``, ``accordion_critical`` (share of buckets in the light setting).
+``ef_unresolved`` (this round) and ``ef_unresolved_total``, ``accordion_critical``
+(share of buckets in the light setting).
 """
 
 from gossipnet.collectives.compress.session import CompressSession, Ledger
