@@ -60,13 +60,15 @@ class ArcTopK:
     Attributes:
         density: fraction of a chunk's elements sent, in (0, 1].
         block: elements per block of the index set and of the sketch (a power of two
-            in [8, 4096]); larger blocks: smaller sketches and announcements, coarser sets.
+            in [8, 4096]); larger blocks: smaller sketches and announcements, coarser
+            sets (measured on ``bench/compression.py``'s regression task at density
+            0.01, 300 steps: block 16 reached MSE 5.65, block 32 8.6, dense 2.69).
         eta: EF21M momentum of the error feedback, in (0, 1]: ``v <- (1-eta) v + eta g``;
             1 is plain error feedback (use it when the base optimizer has momentum).
     """
 
     density: float = 0.01
-    block: int = 32
+    block: int = 16
     eta: float = 1.0
 
     def __post_init__(self) -> None:
