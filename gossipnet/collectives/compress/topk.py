@@ -72,7 +72,8 @@ def bootstrap_blocks(round_id: int, bucket: int, chunk: int, m: int, k: int) -> 
 
 def block_indices(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
     """Element indices of ``blocks`` in a chunk of ``n`` (int64, ascending)."""
-    idx = (blocks.to(torch.int64)[:, None] * block + torch.arange(block)).flatten()
+    idx = blocks.to(torch.int64)[:, None] * block + torch.arange(block, device=blocks.device)
+    idx = idx.flatten()
     return idx[idx < n]
 
 
