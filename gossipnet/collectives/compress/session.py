@@ -58,8 +58,8 @@ class CompressSession(SessionState):
             elems = (base - 8) // 2
         elif self.family == "int8":
             elems = base - 16
-        elif self.family == "topk":
-            d, blk = self.max_density(), self.block
+        elif self.family == "topk":  # room for 3x the density in a chunk (.sparse._next_size)
+            d, blk = 3 * self.max_density(), self.block
             per_elem = 4 * d + 2 / blk + 8 * d / blk
             elems = int((base - 64 - 2 * math.ceil(n / 8) - 12 * blk) / per_elem)
         else:  # dct: every sender's entries must fit the owner's broadcast together
@@ -75,6 +75,8 @@ class CompressSession(SessionState):
         self.param_mode = param_mode
         self.counters.clear()
         self.sk.clear()
+        self.sk_w.clear()
+        self.hot.clear()
         self.valueless.clear()
         self.got.clear()
         key = (tuple((p.numel, p.chunk_elems) for p in rnd.plans), rnd.participants)

@@ -80,6 +80,10 @@ class SessionState:
         self.bm_prev: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self.pending: dict[tuple[int, int, int], tuple[str, int, torch.Tensor, torch.Tensor]] = {}
         self.sk: dict[tuple[int, int], torch.Tensor] = {}
+        self.sk_w: dict[tuple[int, int], float] = {}  # weight of the sketches summed
+        # per bucket, this round: running count of our own whole-bucket sketch's top
+        # blocks, which shares the bucket's budget out over the chunks (.sparse._next_size)
+        self.hot: dict[int, torch.Tensor] = {}
         self.valueless: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
         self.got: dict[tuple[int, int, str], torch.Tensor] = {}
         self.theta: list[float] = []
