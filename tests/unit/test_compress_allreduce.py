@@ -185,14 +185,26 @@ def test_arctopk_index_sets_agree_and_applied_bits_identical_under_loss(
         async with cluster(N, config=cfg, clock=clock, faults=plan) as nodes:
             sessions = [CompressSession(ArcTopK(density=0.05)) for _ in range(N)]
 
-            def check(r: int, xs: list[torch.Tensor], reps: list[CollectiveReport]) -> None:
-                # chunks every peer got (or owns) must agree bit for bit
-                stale_any = [rep.chunks_stale for rep in reps]
-                if max(stale_any) == 0:
-                    for x in xs:
-                        assert torch.equal(x, xs[0])
+            cb = sessions[0].chunk_bytes(CHUNK, NUMEL, 4, N, False)
+            smap = ShardMap(ChunkPlan(NUMEL, torch.float32, cb), IDS)
+            make = grads(3)
+            stale = [0]
 
-            reps = await rounds(drive, clock, nodes, sessions, grads(3), 10, check)
+            def check(r: int, xs: list[torch.Tensor], reps: list[CollectiveReport]) -> None:
+                # per chunk: every peer holds the owner's values bit for bit (the
+                # broadcast arrived) or its own input (stale), never anything else
+                for c in range(smap.plan.nchunks):
+                    off, n = smap.plan.chunk(c)
+                    owner = IDS.index(smap.owner(c))
+                    truth = xs[owner][off : off + n]
+                    for i, x in enumerate(xs):
+                        got = x[off : off + n]
+                        if not torch.equal(got, truth):
+                            assert torch.equal(got, make(i, r)[off : off + n]), (r, c, i)
+                            stale[0] += 1
+
+            reps = await rounds(drive, clock, nodes, sessions, make, 10, check)
+            assert stale[0] > 0  # the loss did hit broadcasts
             mism = sum(r.extra["index_mismatch"] for rr in reps for r in rr)
             missed = sum(r.extra["missed_announcement"] for rr in reps for r in rr)
             assert missed > 0  # loss hit announcements, and it was counted
