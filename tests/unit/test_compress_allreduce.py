@@ -215,10 +215,17 @@ def test_arctopk_index_sets_agree_and_applied_bits_identical_under_loss(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "spec",
+    [
+        Accordion(low=ArcTopK(density=0.1), high=ArcTopK(density=0.01), interval=2),
+        Accordion(low=DCT(density=0.1), high=DCT(density=0.01), interval=2),
+    ],
+    ids=["arctopk", "dct"],
+)
 def test_accordion_switches_per_bucket(
-    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, spec: Accordion
 ) -> None:
-    spec = Accordion(low=ArcTopK(density=0.1), high=ArcTopK(density=0.01), interval=2)
 
     async def main() -> None:
         clock = FakeClock()

@@ -124,8 +124,10 @@ class CompressSession(SessionState):
                 u = self.e[b] + self.m[b]
             else:
                 u = self.e[b] + g32
-                if refresh:
-                    self.theta[b] = sparse.dct_threshold(u, self.density(b))
+                keep = self.density(b)
+                if refresh or keep != self.theta_keep.get(b):  # Accordion switched it
+                    self.theta[b] = sparse.dct_threshold(u, keep)
+                    self.theta_keep[b] = keep
             self.u.append(u)
             self.e[b] = u.clone()
         self.rounds += 1

@@ -87,6 +87,7 @@ class SessionState:
         self.valueless: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
         self.got: dict[tuple[int, int, str], torch.Tensor] = {}
         self.theta: list[float] = []
+        self.theta_keep: dict[int, float] = {}  # the density each bucket's theta is for
         self.rounds = 0
         self.last_round = -1
         self._key: tuple[Any, ...] = ()
