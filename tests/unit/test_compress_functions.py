@@ -189,6 +189,18 @@ def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Pa
             "compressed_count",
         ),
         (ArcTopK(density=0.05), Z.TOPK_RS, b"\x01", "compressed_short"),
+        (
+            ArcTopK(density=0.05),
+            Z.TOPK_RS,
+            struct.pack("<QIII", NONE, 1, 0, 10**6) + bytes(2),
+            "compressed_index",
+        ),
+        (
+            ArcTopK(density=0.05),
+            Z.TOPK_RS,
+            struct.pack("<QIII", NONE, 1, 0, 0) + struct.pack("<H", 0xFFC0),  # bf16 NaN
+            "non_finite",
+        ),
     ],
     ids=[
         "nan-scale",
@@ -200,6 +212,8 @@ def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Pa
         "dct-count",
         "sketch-count",
         "short",
+        "proposal-beyond",
+        "nan-sketch",
     ],
 )
 def test_forged_contribution_is_a_counted_drop(
@@ -253,3 +267,21 @@ def test_forged_broadcasts_are_counted_drops() -> None:
         gather.on_ag(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_AG, payload))  # type: ignore[arg-type]
     assert ctx.dropped == {"compressed_index": 1, "compressed_count": 1, "non_finite": 1}
     assert not rnd.got_np[0][c]  # nothing written
+
+
+def test_values_at_another_set_arrive_with_weight_zero_and_are_counted() -> None:
+    """A tag other than the set in force: the packet counts as arrived (its sender is
+    complete) with weight 0 and no values, and ``index_mismatch`` counts it."""
+    rnd = _round(ArcTopK(density=0.05), me="p0")
+    ctx = _Ctx()
+    c = rnd.owned[0].start
+    payload = struct.pack("<QII", 77, 0, 3) + struct.pack("<3f", 1.0, 2.0, 3.0)
+    part = scatter.rs_part(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_RS, payload))  # type: ignore[arg-type]
+    assert part is not None
+    _, _, _, values, weight, _ = part
+    assert weight == 0.0
+    assert not bool(values.any())
+    codec = rnd.codec
+    assert isinstance(codec, CompressSession)
+    assert codec.counters["index_mismatch"] == 1
+    assert "p1" in codec.valueless[(0, c)]  # its bitmap bit will say "not counted"

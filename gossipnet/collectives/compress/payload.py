@@ -8,7 +8,8 @@ payload says, itself, what it holds: its counts, its scale, its index set or
 index list.  Little-endian; counts first, then the sections in order:
 
 ``QUANT``   ``<BI`` kind (0 bf16, 1 fp16, 2 int8), count; [int8: f32 scale]; values.
-``TOPK_RS`` ``<QII`` set tag, sketch blocks, values; bf16 sketch; f32 values at the set.
+``TOPK_RS`` ``<QII`` set tag, proposed blocks, values; u32 proposed block ids; their
+            bf16 norms (a sparse sketch); f32 values at the set.
 ``TOPK_AG`` ``<QQHIIIB`` next tag, previous round, participants, current set blocks,
             next set blocks, values, value kind (0 at the current set, 1 dense);
             contributor bitmaps (this round, the previous), u32 current set,

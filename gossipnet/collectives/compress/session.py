@@ -60,7 +60,7 @@ class CompressSession(SessionState):
             elems = base - 16
         elif self.family == "topk":  # room for 3x the density in a chunk (.sparse._next_size)
             d, blk = 3 * self.max_density(), self.block
-            per_elem = 4 * d + 2 / blk + 8 * d / blk
+            per_elem = 4 * d + 8 * d / blk + 6 * d / blk  # values, sets, proposals
             elems = int((base - 64 - 2 * math.ceil(n / 8) - 12 * blk) / per_elem)
         else:  # dct: every sender's entries must fit the owner's broadcast together
             cap = (base - 64 - 2 * math.ceil(n / 8)) // (8 * n)
@@ -77,6 +77,7 @@ class CompressSession(SessionState):
         self.sk.clear()
         self.sk_w.clear()
         self.hot.clear()
+        self.tau2.clear()
         self.valueless.clear()
         self.got.clear()
         key = (tuple((p.numel, p.chunk_elems) for p in rnd.plans), rnd.participants)

@@ -132,8 +132,32 @@ def encode_rs(sess: CompressSession, rnd: Any, owner: str, b: int, c: int) -> tu
         e_c[idx] = 0
     else:
         tag = NONE
-    sk = topk.sketch(e_c + sess.m[b][off : off + n], blk).to(torch.bfloat16)
-    return Z.TOPK_RS, join(_TOPK_RS.pack(tag, sk.numel(), vals.numel()), sk, vals)
+    ids, props = _proposals(sess, b, topk.sketch(e_c + sess.m[b][off : off + n], blk), vals.numel())
+    head = _TOPK_RS.pack(tag, ids.numel(), vals.numel())
+    return Z.TOPK_RS, join(head, ids.to(torch.int32), props.to(torch.bfloat16), vals)
+
+
+def _proposals(
+    sess: CompressSession, b: int, res: torch.Tensor, nvals: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our sketch of a chunk: the blocks of its residual (block norms ``res``) among
+    the top ``2K`` of our whole bucket, as (ids, norms): a sparse sketch.
+
+    Why sparse: a norm per block of every chunk cost 2/B bytes per element, three
+    times the values themselves at density 0.01; the owner only ranks the
+    largest blocks, so the candidates near the top are all it needs (blocks
+    nobody proposes sum to 0).  Capped by what still fits the packet.
+    """
+    tau = sess.tau2.get(b)
+    if tau is None:
+        own = topk.sketch(sess.u[b], sess.block)
+        k = max(1, min(own.numel(), 2 * round(sess.density(b) * own.numel())))
+        tau = sess.tau2[b] = float(torch.topk(own, k).values[-1])
+    ids = torch.nonzero((res >= tau) & (res > 0)).flatten()
+    room = max(0, (sess.base_chunk - 64 - 4 * nvals) // 6)
+    if ids.numel() > room:
+        ids = torch.sort(ids[torch.topk(res[ids], room).indices]).values
+    return ids, res[ids]
 
 
 def _bootstrap(sess: CompressSession, rnd: Any, b: int, c: int, n: int) -> torch.Tensor:
@@ -183,15 +207,16 @@ def decode_rs(
         return _got(sess, key, src, w, dense)
     if z != Z.TOPK_RS:
         raise Bad("compressed_kind")
-    tag, nsk, nvals = r.struct(_TOPK_RS)
-    if nsk != topk.block_count(n, sess.block):
-        raise Bad("compressed_count")
-    sk = r.tensor(torch.bfloat16, nsk).to(torch.float32)
+    tag, nprop, nvals = r.struct(_TOPK_RS)
+    m = topk.block_count(n, sess.block)
+    ids = r.indices(nprop, m)
+    sk = r.tensor(torch.bfloat16, nprop).to(torch.float32)
     if not bool(torch.isfinite(sk).all()) or bool((sk < 0).any()):
         raise Bad("non_finite")
     vals = r.values(nvals)
     r.done()
-    energy = sk.square_().mul_(w)
+    energy = torch.zeros(m)
+    energy[ids] = sk.square_().mul_(w)
     prior = sess.sk.get(key)
     sess.sk[key] = energy if prior is None else prior.add_(energy)
     sess.sk_w[key] = sess.sk_w.get(key, 0.0) + w

@@ -84,6 +84,7 @@ class SessionState:
         # per bucket, this round: running count of our own whole-bucket sketch's top
         # blocks, which shares the bucket's budget out over the chunks (.sparse._next_size)
         self.hot: dict[int, torch.Tensor] = {}
+        self.tau2: dict[int, float] = {}  # per bucket, this round: our sketch's cut
         self.valueless: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
         self.got: dict[tuple[int, int, str], torch.Tensor] = {}
         self.theta: list[float] = []
