@@ -13,38 +13,24 @@ rejected header is sampled (at most 100 a second, size-limited) for the
 sender it *claims*, so ``join()`` can name a peer with another secret
 (:class:`Suspect`; never acted on).
 
-Why a destination (``"@"``: 4-byte tags of the peers a packet is for): the
-replay window is per receiver, so without it a packet captured on its way to
-one peer is fresh to every other, and a peer takes its own packets reflected
-back.  A packet encoded once for many peers carries all their tags (a
-broadcast chunk stays one encoding and one MAC).  A packet with no destination
-(a HELLO to a bootstrap address whose peer id we do not know yet) is accepted
-with ``Packet.directed`` False; the node lets such packets refresh no liveness.
+Why a destination (``"@"``: 4-byte tags of the peers a packet is for): see
+:mod:`._dest`.  A packet with no destination (a HELLO to a bootstrap address
+whose peer id we do not know yet) is accepted with ``Packet.directed`` False;
+the node lets such packets refresh no liveness.
 Our own id as ``src`` is rejected outright (``own_packet``).
 
-Why bounds on epoch and seq: they move the replay state, and a window moved by
-one authenticated packet stays moved.  An epoch (the sender's start,
-``time.time_ns()``) further than ``Config.max_clock_skew_s`` ahead of our clock
-is ``future_epoch``: 2**63 would otherwise lock the real peer out for ever.
-A seq beyond what the sender could have sent since its epoch (one packet per
-100 ns) is ``seq_range``; both are int64 at most (``header_fields``).
-``Packet.fresh`` says the packet advanced its sender's window: only such
-packets refresh liveness, so a replayed or withheld older packet cannot keep
-a dead peer alive.
-
-Why a per-sender replay window: transports and fault plans duplicate and
-reorder, and an on-path attacker can replay; a sliding bitmap of sequence
-numbers (IPsec's, RFC 4303 section 3.4.3) drops both in O(1) while taking
-out-of-order packets.  The epoch (sender incarnation) lets a restarted peer
-count from zero again without being taken for a replayer.
+Why a per-sender replay window, and bounds on epoch and seq: see
+:mod:`._replay`.  ``Packet.fresh`` says the packet advanced its sender's
+window: only such packets refresh liveness, so a replayed or withheld older
+packet cannot keep a dead peer alive.
 
 Rejections are data: ``decode`` returns ``None``, counts the reason in
-``codec.rejects`` and logs one record per reason per ``reject_log_interval_s``.
+``codec.rejects`` and logs one record per reason per ``reject_log_interval_s``
+(:mod:`._rejects`).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
 import hmac
@@ -61,6 +47,9 @@ import torch
 from gossipnet.clock import Clock, MonotonicClock
 from gossipnet.config import Config
 from gossipnet.transport import _data_header as _fixed
+from gossipnet.transport._dest import DestTags
+from gossipnet.transport._rejects import RejectLog, Suspect
+from gossipnet.transport._replay import INT64_MAX, ReplayWindow
 from gossipnet.transport.base import Buffer, LocalFrames
 from gossipnet.transport.mac import make_signer
 
@@ -84,8 +73,6 @@ MAC_BYTES = 16  # the tag; the MAC frame is ``WireCodec.mac_bytes`` long (36 for
 FINGERPRINT_BYTES = 8
 #: Header keys the codec owns; caller fields may not use them.
 RESERVED_KEYS = frozenset({"v", "run", "src", "e", "q", "k", "@"})
-#: Bytes of one destination tag in the ``"@"`` field.
-TAG_BYTES = 4
 
 #: Dtype codes allowed in a typed packet's ``dt`` field.
 DTYPES: dict[str, torch.dtype] = {
@@ -100,48 +87,7 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_CODES: dict[torch.dtype, str] = {dtype: code for code, dtype in DTYPES.items()}
 _ITEMSIZE: dict[str, int] = {code: dtype.itemsize for code, dtype in DTYPES.items()}
 
-# Reasons logged at DEBUG: duplicates, reordering and restarts are routine on a
-# lossy network (and fault plans inject them); everything else hints at a
-# misconfiguration or an attack and is a WARNING.
-# A "destination" drop is routine too: a peer restarted on the same address under a
-# new id receives the packets still addressed to its previous life.
-_ROUTINE_REASONS = frozenset({"replay", "stale_epoch", "destination"})
 _KIND_MAX = 0xFFFF
-#: Senders of unauthenticated packets remembered for diagnostics (``WireCodec.suspects``).
-_SUSPECTS_MAX = 8
-#: At most one unauthenticated header is parsed per this many seconds: a flood of
-#: forgeries must keep costing one MAC check each, not a parse too.
-_SUSPECT_PARSE_INTERVAL_S = 0.01
-#: Claimed strings are cut to this length before they are kept.
-_SUSPECT_CHARS = 128
-_INT64_MAX = (1 << 63) - 1
-#: A sender cannot have sent more than one packet per this many ns since its epoch.
-_MIN_NS_PER_PACKET = 100
-
-
-@dataclass(slots=True, frozen=True)
-class Suspect:
-    """What a packet that failed authentication *claims* about its sender.
-
-    Nothing here is verified: anyone can write these header fields.  It is kept
-    for one use, an error message that helps a user find a misconfigured peer
-    ("packets from tcp://... (claims to be peer 'b') fail authentication").
-
-    Attributes:
-        src: the claimed peer id, if the header parsed.
-        addr: the claimed listen address (membership packets carry one).
-        run: the claimed run id.
-        reason: ``"mac"`` (the tag or key fingerprint did not match) or
-            ``"mac_size"`` (a MAC frame of another length: another ``Config.mac``).
-        same_key: the frame's key fingerprint matched ours, so the sender holds our
-            run key (same secret and run) and the tag, not the key, differs.
-    """
-
-    src: str | None
-    addr: str | None
-    run: str | None
-    reason: str
-    same_key: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -202,30 +148,7 @@ def _as_bytes_view(buf: Buffer) -> memoryview:
 
 def _uint(x: object) -> TypeGuard[int]:
     # bool is an int subclass and msgpack decodes true/false as bool: refuse it.
-    return type(x) is int and 0 <= x <= _INT64_MAX
-
-
-def _tag(key: bytes, peer_id: str) -> bytes:
-    """A peer's destination tag: short, keyed (it names no peer to an outsider)."""
-    return hashlib.blake2b(
-        peer_id.encode(), key=key, digest_size=TAG_BYTES, person=b"gossipnet-dst"
-    ).digest()
-
-
-class _SenderState:
-    """Replay state of one sender: epoch, highest seq, bitmap of the window below it.
-
-    Bit ``i`` of ``seen`` stands for seq ``top - i``.  A Python int is the
-    bitset: shifting a window of a few thousand bits costs well under a
-    microsecond, and no per-seq allocation happens.
-    """
-
-    __slots__ = ("epoch", "seen", "top")
-
-    def __init__(self, epoch: int, top: int) -> None:
-        self.epoch = epoch
-        self.top = top
-        self.seen = 1
+    return type(x) is int and 0 <= x <= INT64_MAX
 
 
 class WireCodec:
@@ -265,7 +188,6 @@ class WireCodec:
         self.src = src
         self.epoch = time.time_ns() if epoch is None else epoch
         self.clock: Clock = clock or MonotonicClock()
-        self.rejects: collections.Counter[str] = collections.Counter()
         self.accepted = 0
         key = _derive_key(bytes(secret or b""), config.run)
         self._signer = make_signer(config.mac, key)
@@ -276,28 +198,23 @@ class WireCodec:
         self._src_utf8 = src.encode()
         self._run_tag = _fixed.run_tag(config.run)
         self._src_names: dict[bytes, str] = {}  # decoded sender ids of fixed headers
-        self._key = key
-        self._tags: dict[str, bytes] = {}
-        self._group_tags: dict[tuple[str, ...], bytes] = {}
-        self._own_tag = _tag(key, src)
-        self._skew_ns = int(config.max_clock_skew_s * 1e9)
+        self._dest = DestTags(key, src)
         self._seq = itertools.count()  # next() is atomic under the GIL
-        self._window = config.replay_window_packets
-        self._window_mask = (1 << self._window) - 1
-        self._senders: dict[str, _SenderState] = {}
-        self._log_last: dict[str, float] = {}
-        self._log_pending: collections.Counter[str] = collections.Counter()
-        #: the latest distinct senders of unauthenticated packets, oldest first
-        #: (bounded; see :class:`Suspect`): what ``join()``'s error names.
-        self.suspects: collections.OrderedDict[tuple[str | None, str | None], Suspect] = (
-            collections.OrderedDict()
-        )
-        self._suspect_parsed_at: float | None = None
+        self._replay = ReplayWindow(config.replay_window_packets, config.max_clock_skew_s)
         n = config.max_header_bytes  # no object inside a header can be larger
         self._unpack = functools.partial(
             msgpack.unpackb, raw=False, strict_map_key=True, max_ext_len=0,
             max_str_len=n, max_bin_len=n, max_array_len=n, max_map_len=n,
         )  # fmt: skip
+        self._log = RejectLog(src, self.clock, config.reject_log_interval_s, self._unpack)
+        self._reject = self._log.reject
+        self._note_suspect = self._log.note_suspect
+        self._replay_check = self._replay.check
+        #: drops per reason (``decode`` returned None), counted since the start
+        self.rejects = self._log.rejects
+        #: the latest distinct senders of unauthenticated packets, oldest first
+        #: (bounded; see :class:`Suspect`): what ``join()``'s error names.
+        self.suspects = self._log.suspects
 
     # ------------------------------------------------------------------ encode
     def encode(
@@ -340,7 +257,7 @@ class WireCodec:
         if fields and not RESERVED_KEYS.isdisjoint(fields):
             bad = sorted(RESERVED_KEYS.intersection(fields))
             raise ValueError(f"header keys {bad} are reserved by the wire codec; rename them")
-        tags = self._dst_tags(dst) if dst is not None else None
+        tags = self._dest.of(dst) if dst is not None else None
         seq = next(self._seq)
         head: bytes | None = None
         if fields and len(fields) >= 7:  # a data packet's fields: the fixed header
@@ -358,36 +275,6 @@ class WireCodec:
         if local:
             return [head, payload, self._unsigned]
         return [head, payload, self._signer.sign(head, payload) + self._fingerprint]
-
-    def _dst_tags(self, dst: str | Sequence[str]) -> bytes:
-        """The ``"@"`` field: the concatenated tags of ``dst`` (cached per peer)."""
-        tags = self._tags
-        if isinstance(dst, str):
-            return tags.get(dst) or self._new_tag(dst)
-        key = tuple(dst)  # a broadcast names the same group chunk after chunk
-        joined = self._group_tags.get(key)
-        if joined is None:
-            if len(self._group_tags) > 1024:
-                self._group_tags.clear()
-            joined = b"".join(tags.get(p) or self._new_tag(p) for p in key)
-            self._group_tags[key] = joined
-        return joined
-
-    def _new_tag(self, peer_id: str) -> bytes:
-        if len(self._tags) > 65536:  # peers come and go: bounded, rebuilt on demand
-            self._tags.clear()
-        tag = self._tags[peer_id] = _tag(self._key, peer_id)
-        return tag
-
-    def _for_us(self, to: object) -> bool:
-        """Whether a ``"@"`` field names us: one of its aligned tags is ours."""
-        own = self._own_tag
-        if type(to) is not bytes or len(to) % TAG_BYTES:
-            return False
-        i = to.find(own)
-        while i > 0 and i % TAG_BYTES:
-            i = to.find(own, i + 1)
-        return i >= 0 and not i % TAG_BYTES
 
     # ------------------------------------------------------------------ decode
     def decode(self, frames: Sequence[Buffer], *, local: bool = False) -> Packet | None:
@@ -499,7 +386,7 @@ class WireCodec:
             self._reject("own_packet", src)  # reflected back to us: never ours to take
             return None
         to = header.pop("@", None)
-        if to is not None and to != self._own_tag and not self._for_us(to):
+        if to is not None and not self._dest.for_us(to):
             self._reject("destination", src)
             return None
         if "dt" in header:
@@ -545,7 +432,7 @@ class WireCodec:
         if not src:
             self._reject("header_fields", None)
             return None
-        if epoch > _INT64_MAX or seq > _INT64_MAX:
+        if epoch > INT64_MAX or seq > INT64_MAX:
             self._reject("header_fields", src)
             return None
         if src == self.src:
@@ -554,7 +441,7 @@ class WireCodec:
         directed = bool(flags & _fixed.HAS_DST)
         if directed:
             to = bytes(head[size + src_len :])
-            if to != self._own_tag and not self._for_us(to):
+            if not self._dest.for_us(to):
                 self._reject("destination", src)
                 return None
         if dt >= len(_fixed.DTYPE_ORDER):
@@ -589,103 +476,7 @@ class WireCodec:
         self._src_names[raw] = name
         return name
 
-    def _replay_check(self, src: str, epoch: int, seq: int) -> str | None:
-        """``None`` if ``(epoch, seq)`` from ``src`` is new and the newest yet (fresh),
-        ``""`` if new but older than the newest (reordered), else the reject reason.
-
-        Runs only on authenticated, well-formed packets: a forger cannot move a
-        window, and a key holder can move it only within plausible bounds.
-        """
-        state = self._senders.get(src)
-        if state is None or epoch > state.epoch:
-            # First contact or a new incarnation: start a fresh window.
-            if epoch > time.time_ns() + self._skew_ns:
-                return "future_epoch"
-            if seq > self._max_seq(epoch):
-                return "seq_range"
-            self._senders[src] = _SenderState(epoch, seq)
-            return None
-        if epoch < state.epoch:
-            return "stale_epoch"
-        if seq > state.top:
-            shift = seq - state.top
-            if shift >= self._window and seq > self._max_seq(epoch):
-                return "seq_range"
-            state.seen = (
-                ((state.seen << shift) | 1) & self._window_mask if shift < self._window else 1
-            )
-            state.top = seq
-            return None
-        back = state.top - seq
-        if back >= self._window or (state.seen >> back) & 1:
-            return "replay"
-        state.seen |= 1 << back
-        return ""
-
-    def _max_seq(self, epoch: int) -> int:
-        """The highest seq a sender started at ``epoch`` can have reached by now.
-
-        Checked only on a jump past the whole window (rare: the sender sent more
-        than a window of packets to others since its last one to us), so the
-        common path pays no clock read.
-        """
-        return (time.time_ns() + self._skew_ns - epoch) // _MIN_NS_PER_PACKET
-
     def forget(self, src: str) -> None:
-        """Release the replay window of a departed peer.
-
-        The sender's epoch and highest seq stay (two ints), with the whole
-        window marked seen: its old packets stay rejected even after it left,
-        while the same incarnation may come back with newer seqs and a
-        restart (higher epoch) starts afresh.  Dropping the entry outright
-        would let anyone replay the departed peer's captured packets once.
-        """
-        state = self._senders.get(src)
-        if state is not None:
-            state.seen = self._window_mask  # a shared int: no per-peer bitmap memory
-
-    # ------------------------------------------------------------------ rejects
-    def _note_suspect(self, reason: str, head: memoryview, same_key: bool) -> None:
-        """Remember what an unauthenticated packet claims about its sender (bounded).
-
-        Parsed with the same size limits as any header, at most once per
-        ``_SUSPECT_PARSE_INTERVAL_S``; only strings are kept, cut short.  The
-        result is never used for anything but diagnostics.
-        """
-        now = self.clock.now()
-        last = self._suspect_parsed_at
-        if last is not None and 0 <= now - last < _SUSPECT_PARSE_INTERVAL_S:
-            return
-        self._suspect_parsed_at = now
-        try:
-            header = self._unpack(head)
-        except Exception:
-            header = None
-        claims = header if type(header) is dict else {}
-
-        def claim(key: str) -> str | None:
-            value = claims.get(key)
-            return value[:_SUSPECT_CHARS] if isinstance(value, str) else None
-
-        suspect = Suspect(claim("src"), claim("addr"), claim("run"), reason, same_key)
-        key = (suspect.src, suspect.addr)
-        self.suspects.pop(key, None)
-        self.suspects[key] = suspect
-        while len(self.suspects) > _SUSPECTS_MAX:
-            self.suspects.popitem(last=False)
-
-    def _reject(self, reason: str, src: str | None) -> None:
-        """Count a rejection; log it unless this reason was logged recently."""
-        self.rejects[reason] += 1
-        self._log_pending[reason] += 1
-        now = self.clock.now()
-        last = self._log_last.get(reason)
-        if last is not None and now - last < self.config.reject_log_interval_s:
-            return None
-        count = self._log_pending.pop(reason)
-        self._log_last[reason] = now
-        level = logging.DEBUG if reason in _ROUTINE_REASONS else logging.WARNING
-        who = src if src is not None else "an unauthenticated sender"
-        msg = "peer %s: dropped %d packet(s) for %s since the last report (latest from %s)"
-        log.log(level, msg, self.src, count, reason, who)
-        return None
+        """Release the replay window of a departed peer (:meth:`.ReplayWindow.forget`:
+        its old packets stay rejected)."""
+        self._replay.forget(src)

@@ -323,6 +323,7 @@ def test_public_names_are_pinned() -> None:
         "as_bytes",
         "auto_chunk_bytes",
         "from_bytes",
+        "worth_stacking",
     )
 
 

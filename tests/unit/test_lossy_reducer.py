@@ -173,3 +173,30 @@ def test_batch_is_bit_identical_to_one_by_one(seed: int, dtype: torch.dtype) -> 
     assert torch.equal(one.contributors, many.contributors)
     assert torch.equal(one.average(own), many.average(own))
     assert many.accumulate_batch(parts[:3]) == ["late"] * 3
+
+
+def test_large_chunks_are_added_one_call_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks above STACK_MAX_BYTES are never stacked (a stack is one more pass over
+    every received byte); the sums and refusals equal one-by-one accumulation."""
+    from gossipnet.collectives import chunks
+
+    step = chunks.STACK_MAX_BYTES // 4 * 2  # float32: twice the stacking limit
+    gen = torch.Generator().manual_seed(5)
+    own = torch.randn(3 * step, generator=gen)
+    one = ShardReducer(own.clone(), range(3), step, 1.0)
+    many = ShardReducer(own.clone(), range(3), step, 1.0)
+    parts = [
+        (s, c, torch.randn(step, generator=gen), w)
+        for s, w in (("b", 1.0), ("c", 0.5))
+        for c in range(3)
+    ]
+    parts[4][2][7] = float("nan")
+    want = [one.accumulate(*p) for p in parts]
+
+    def no_stack(*args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("large chunks must not be stacked")
+
+    monkeypatch.setattr(torch, "stack", no_stack)
+    assert many.accumulate_batch(parts) == want == [None, None, None, None, "non_finite", None]
+    assert torch.equal(one.acc, many.acc)
+    assert torch.equal(one.weights, many.weights)

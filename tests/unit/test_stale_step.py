@@ -81,3 +81,22 @@ def test_half_precision_steps_are_measured_without_overflow() -> None:
     one_round(stale, param, grad, {2: big, 3: big})
     assert one_round(stale, param, grad, {3: big * 2}) == 1
     assert torch.equal(param[32:48], torch.zeros(16, dtype=torch.float16))  # 5000 - 5000
+
+
+def test_rows_measured_together_equal_one_by_one() -> None:
+    """measure_rows (a drain's stacked broadcast chunks) records what measure does per
+    chunk; a non-finite step is left unmeasured in both."""
+    gen = torch.Generator().manual_seed(3)
+    param = torch.randn(N, generator=gen)
+    grad = torch.randn(N, generator=gen)
+    new = torch.randn(2, 16, generator=gen)
+    new[1, 4] = float("inf")
+    one = Round(0, "a", ("a", "b"), [grad], [param.clone()], 1.0, [CHUNK])
+    many = Round(0, "a", ("a", "b"), [grad], [param.clone()], 1.0, [CHUNK])
+    one.step_mag, many.step_mag = StaleStep.fresh(one), StaleStep.fresh(many)
+    for row, c in enumerate((2, 3)):
+        StaleStep.measure(one, 0, c, new[row])
+    StaleStep.measure_rows(many, 0, torch.tensor([2, 3]), new)
+    torch.testing.assert_close(many.step_mag[0], one.step_mag[0], equal_nan=True)
+    assert not bool(torch.isnan(many.step_mag[0][2]))
+    assert bool(torch.isnan(many.step_mag[0][3]))

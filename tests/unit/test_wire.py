@@ -25,6 +25,7 @@ from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.config import Config
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.transport import wire
+from gossipnet.transport._dest import DestTags
 from gossipnet.transport.wire import (
     DTYPE_CODES,
     DTYPES,
@@ -543,12 +544,12 @@ def test_packets_are_bound_to_their_destinations() -> None:
 
 def test_a_tag_straddling_two_tags_does_not_match() -> None:
     """Only aligned 4-byte tags count: our tag split across two others is not ours."""
-    rx = codec("b")
-    own = rx._own_tag
+    tags = DestTags(b"k" * 32, "b")
+    own = tags.own
     straddle = bytes(2) + own + bytes(2)  # our tag at offset 2 of two "tags"
-    assert not rx._for_us(straddle)
-    assert rx._for_us(bytes(4) + own)
-    assert not rx._for_us(own[:3])
+    assert not tags.for_us(straddle)
+    assert tags.for_us(bytes(4) + own)
+    assert not tags.for_us(own[:3])
 
 
 def test_only_packets_that_advance_the_window_are_fresh() -> None:

@@ -2,7 +2,8 @@
 
 The algorithm and its choices are described in :mod:`gossipnet.collectives.lossy`.
 This module is the state kept across rounds (round numbers, early packets,
-learned spans, the END-copy policy), the round driver and the packet intake.
+learned spans, the END-copy policy) and the round driver; the packet intake
+(what each arriving packet does to that state) is :mod:`.intake`.
 The phases are functions over a :class:`.context.PhaseContext` (what they need
 of the engine, which satisfies it) and a :class:`.round.Round`; a round's knobs
 are one :class:`.options.RoundOptions`.
@@ -20,27 +21,23 @@ import torch
 from gossipnet.collectives.lossy import repair as _repair
 from gossipnet.collectives.lossy.context import PhaseName
 from gossipnet.collectives.lossy.cut import ReorderWindow, wait_phase
-from gossipnet.collectives.lossy.gather import all_gather, on_ag, on_ag_batch
-from gossipnet.collectives.lossy.layout import layout_conflict, layout_failure
+from gossipnet.collectives.lossy.gather import all_gather, on_ag
+from gossipnet.collectives.lossy.intake import Intake
+from gossipnet.collectives.lossy.layout import layout_failure
 from gossipnet.collectives.lossy.loss_watch import END_COPIES as END_COPIES
 from gossipnet.collectives.lossy.loss_watch import LossWatch
 from gossipnet.collectives.lossy.options import ReduceHook, RoundOptions
 from gossipnet.collectives.lossy.packets import ALLREDUCE_KINDS, EngineKinds, chunk_sizes
 from gossipnet.collectives.lossy.reducer import OwnedShard
-from gossipnet.collectives.lossy.round import BufferPool, Phase, Round
+from gossipnet.collectives.lossy.round import BufferPool, Round
 from gossipnet.collectives.lossy.round_id import (
-    MAX_LAYOUT_DESC,
     Alignment,
     alignment,
-    valid_mode,
     valid_round,
 )
 from gossipnet.collectives.lossy.scatter import (
-    accept_rs_batch,
     announce_rs_end,
     finish_rs,
-    on_rs,
-    rs_part,
     send_rs,
 )
 from gossipnet.collectives.lossy.stale_step import StaleStep
@@ -60,12 +57,11 @@ __all__ = (
 
 log = logging.getLogger(__name__)
 
-_MAX_BUFFERED_PACKETS = 200_000
 _SPAN_HISTORY = 64
 _RS_SHARE = 0.6
 
 
-class LossyAllReduce:
+class LossyAllReduce(Intake):
     """The all-reduce engine of one node; every method runs on the loop thread."""
 
     def __init__(
@@ -257,190 +253,6 @@ class LossyAllReduce:
 
     def _others(self, rnd: Round) -> list[str]:
         return [p for p in rnd.participants if p != rnd.me]
-
-    # ------------------------------------------------------------------ receiving
-    def _on_batch(self, pkts: list[Packet]) -> None:
-        """Packets of one drain, in order.  Data chunks of our open round go in runs
-        of one kind: reduce-scatter contributions are checked one by one and added
-        together (:func:`.scatter.accept_rs_batch`), all-gather chunks written
-        together (:func:`.gather.on_ag_batch`); any other packet first flushes the
-        run before it, then takes :meth:`_on_packet`: all act in arrival order."""
-        rnd = self._round
-        run: list[Packet] = []
-        run_kind = -1
-        for pkt in pkts:
-            kind = self._fast_kind(rnd, pkt) if rnd is not None else -1
-            if run and kind != run_kind:
-                self._flush(rnd, run_kind, run)  # type: ignore[arg-type]
-                run = []
-            if kind < 0:
-                self._on_packet(pkt)
-            else:
-                run_kind = kind
-                run.append(pkt)
-        if run:
-            self._flush(rnd, run_kind, run)  # type: ignore[arg-type]
-
-    def _flush(self, rnd: Round, kind: int, run: list[Packet]) -> None:
-        if kind == self.k.ag_data:
-            now = self.node.clock.now()
-            for pkt in run:  # its reduce-scatter is sent (as _on_packet notes)
-                rnd.rs.passed(pkt.src, now)
-            on_ag_batch(self, rnd, run)
-            return
-        parts = [p for p in (rs_part(self, rnd, pkt) for pkt in run) if p is not None]
-        if parts:
-            accept_rs_batch(self, rnd, parts)
-
-    def _fast_kind(self, rnd: Round, pkt: Packet) -> int:
-        """``pkt``'s kind if it is a data chunk of our round that :meth:`_on_packet`
-        would hand straight to :func:`.scatter.on_rs` or :func:`.gather.on_ag`
-        (no parity, no steps measured); else -1."""
-        f, kind = pkt.fields, pkt.kind
-        if kind == self.k.rs_data:
-            if rnd.rs_closed:
-                return -1
-        elif kind != self.k.ag_data or rnd.sending or rnd.step_mag is not None:
-            return -1
-        r, m = f.get("r"), f.get("m", 0)
-        if not (
-            type(r) is int
-            and r == rnd.r
-            and type(m) is int
-            and m == rnd.mode
-            and f.get("L") == rnd.layout
-            and pkt.src in rnd.members
-            and "g" not in f
-            and "z" not in f  # compressed: decoded one by one (.scatter, .gather)
-        ):
-            return -1
-        if r > self.max_seen:
-            self.max_seen = r
-        return kind
-
-    def _on_packet(self, pkt: Packet) -> None:
-        r, mode = pkt.fields.get("r"), pkt.fields.get("m", 0)
-        if not valid_round(r) or not valid_mode(mode):
-            self.dropped["bad_round"] += 1
-            return
-        rnd = self._round
-        if pkt.kind == self.k.repair:
-            for candidate in (rnd, self._last):
-                if candidate is not None and candidate.r == r:
-                    _repair.serve_repair(self, candidate, pkt)
-                    return
-            self.dropped["repair_unknown_round"] += 1
-            return
-        current = rnd.r if rnd is not None else self.next_round
-        if r > self.max_seen:
-            self.max_seen = r
-        if rnd is not None and r >= rnd.r and pkt.src in rnd.members:
-            now = self.node.clock.now()
-            if r > rnd.r:  # the sender finished our round
-                rnd.rs.passed(pkt.src, now)
-                rnd.ag.passed(pkt.src, now)
-            elif pkt.kind in (self.k.ag_data, self.k.ag_end):  # its reduce-scatter is sent
-                rnd.rs.passed(pkt.src, now)
-        if rnd is not None and pkt.src in rnd.members and (r != rnd.r or mode != rnd.mode):
-            # heard in another round: behind or ahead of us, unless it shows up here too
-            rnd.elsewhere[pkt.src] = max(r, rnd.elsewhere.get(pkt.src, -1))
-        if rnd is not None and r == rnd.r:
-            if mode != rnd.mode:
-                self.dropped["mode_mismatch"] += 1
-                return
-            self._dispatch(rnd, pkt)
-        elif r >= current:
-            if self._nbuffered >= _MAX_BUFFERED_PACKETS:
-                self.dropped["buffer_full"] += 1
-                return
-            self._buffered[r].append(pkt)
-            self._nbuffered += 1
-        else:
-            self.dropped["late"] += 1
-            if rnd is not None:
-                rnd.late += 1
-            last = self._last
-            if last is not None and r == last.r and not last.repaired:
-                self.note_after_end(last, pkt)  # it came too late: learn how late
-
-    def _dispatch(self, rnd: Round, pkt: Packet) -> None:
-        if pkt.src not in rnd.members:
-            # outside this round's view (a Moshpit peer of another group, a peer that
-            # joined after we started): its layout is not ours and no phase expects it
-            self.dropped["not_participant"] += 1
-            return
-        layout = pkt.fields.get("L")
-        if layout != rnd.layout:
-            if type(layout) is not int:  # malformed (a forgery or a bug): not a layout
-                self.dropped["bad_layout"] += 1
-                return
-            layout_conflict(self, rnd, pkt, layout)
-            return
-        kind = pkt.kind
-        if kind == self.k.rs_data:
-            on_rs(self, rnd, pkt)
-        elif kind == self.k.ag_data:
-            if rnd.sending:
-                rnd.pending_ag.append(pkt)
-            else:
-                on_ag(self, rnd, pkt)
-        elif kind == self.k.rs_end:
-            self._on_end(rnd, rnd.rs, "rs", pkt)
-        elif kind == self.k.ag_end:
-            self._on_end(rnd, rnd.ag, "ag", pkt)
-
-    def _on_end(self, rnd: Round, phase: Phase, name: PhaseName, pkt: Packet) -> None:
-        """A sender's END of ``phase`` (:meth:`.round.Phase.end`); its flag of loss."""
-        self._peer_loss_flag(pkt)
-        n = pkt.fields.get("n")
-        declared = n if isinstance(n, int) and n >= 0 else None
-        now = self.node.clock.now()
-        span = phase.end(pkt.src, declared, now, lambda: self._reorder.allowance(rnd.r))
-        if span is not None:
-            self._spans[name].append(span)
-
-    def note_after_end(self, rnd: Round, pkt: Packet) -> None:
-        """A data packet of ``rnd`` arrived after its sender's END: learn the lag."""
-        if pkt.kind not in (self.k.rs_data, self.k.ag_data):
-            return
-        phase = rnd.rs if pkt.kind == self.k.rs_data else rnd.ag
-        ended = phase.ended.get(pkt.src)
-        if ended is not None:
-            self._reorder.observe(self.node.clock.now() - ended, rnd.r)
-
-    def _peer_loss_flag(self, pkt: Packet) -> None:
-        """A peer's "I saw loss recently" flag, from its END markers or heartbeats."""
-        self.loss.peer_flag(pkt.src, bool(pkt.fields.get("l", pkt.fields.get(self._loss_key))))
-
-    def _on_heartbeat(self, pkt: Packet) -> None:
-        self._peer_loss_flag(pkt)
-        lay = pkt.fields.get(self._layout_key)
-        if (
-            isinstance(lay, list)
-            and len(lay) == 2
-            and type(lay[0]) is int
-            and isinstance(lay[1], str)
-            and len(lay[1]) <= MAX_LAYOUT_DESC
-        ):
-            self.peer_layouts[pkt.src] = (lay[0], lay[1])
-        nxt = pkt.fields.get(self.tag)
-        if nxt is None:
-            return
-        if not valid_round(nxt):
-            self.dropped["bad_round"] += 1
-            return
-        if nxt > self.max_seen:
-            self.max_seen = nxt
-        rnd = self._round
-        if rnd is not None and nxt != rnd.r:
-            # members and non-members alike: a peer that declared everyone dead while
-            # it was frozen runs its next round alone, and hears them only here
-            rnd.elsewhere[pkt.src] = max(nxt, rnd.elsewhere.get(pkt.src, -1))
-        if rnd is not None and nxt > rnd.r and pkt.src in rnd.members:
-            # its beacon names the round after ours: it finished ours
-            now = self.node.clock.now()
-            rnd.rs.passed(pkt.src, now)
-            rnd.ag.passed(pkt.src, now)
 
     # ------------------------------------------------------------------ identity
     async def rewind(self, round_id: int) -> None:

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from gossipnet.collectives.chunks import all_finite, as_bytes
+from gossipnet.collectives.chunks import all_finite, as_bytes, worth_stacking
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.cut import wait_phase
 from gossipnet.collectives.lossy.packets import (
@@ -286,7 +286,8 @@ def on_ag_batch(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
     one row sum and written with one ``index_copy_``; every check is decided per
     packet in :func:`on_ag`'s order (finiteness is a function of the packet alone,
     so computing it first changes no decision), and the bytes written are the same.
-    Not for rounds that measure steps (``rnd.step_mag``): those take :func:`on_ag`.
+    Rounds that measure steps (``rnd.step_mag``, optimizer rounds) measure the
+    stacked rows together (:meth:`.stale_step.StaleStep.measure_rows`).
     """
     items = []
     for pkt in pkts:
@@ -318,7 +319,12 @@ def _finite_rows(rnd: Round, items: list[tuple[int, torch.Tensor]]) -> list[bool
     for i, (b, values) in enumerate(items):
         groups.setdefault((b, values.numel()), []).append(i)
     for (b, _), idx in groups.items():
-        if rnd.plans[b].dtype not in (torch.float32, torch.float64) or len(idx) == 1:
+        plan = rnd.plans[b]
+        if (
+            plan.dtype not in (torch.float32, torch.float64)
+            or len(idx) == 1
+            or not worth_stacking(plan.chunk_elems, plan.dtype)
+        ):
             for i in idx:
                 out[i] = all_finite(items[i][1])
             continue
@@ -332,13 +338,19 @@ def _write_chunks(rnd: Round, b: int, chunks: list[tuple[int, torch.Tensor]]) ->
     """Copy accepted chunks into ``dst[b]``: the full ones in one ``index_copy_``."""
     plan, dst = rnd.plans[b], rnd.dst[b]
     step = plan.chunk_elems
-    full = [(c, v) for c, v in chunks if v.numel() == step]
+    stack = worth_stacking(step, dst.dtype)
+    full = [(c, v) for c, v in chunks if stack and v.numel() == step]
     if len(full) > 1:
         grid = dst[: (dst.numel() // step) * step].view(-1, step)
         rows = torch.stack([v for _, v in full]).to(dst.dtype)
-        grid.index_copy_(0, torch.tensor([c for c, _ in full]), rows)
+        idx = torch.tensor([c for c, _ in full])
+        if rnd.step_mag is not None:
+            StaleStep.measure_rows(rnd, b, idx, rows)
+        grid.index_copy_(0, idx, rows)
     for c, values in chunks:
         if len(full) <= 1 or values.numel() != step:
+            if rnd.step_mag is not None:
+                StaleStep.measure(rnd, b, c, values)
             plan.view(dst, c).copy_(values)
 
 

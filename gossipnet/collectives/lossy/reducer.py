@@ -36,7 +36,7 @@ from typing import cast
 
 import torch
 
-from gossipnet.collectives.chunks import all_finite
+from gossipnet.collectives.chunks import all_finite, worth_stacking
 
 __all__ = ("OwnedShard", "Part", "ShardReducer")
 
@@ -143,9 +143,10 @@ class ShardReducer:
 
         Why: one drain of the receive socket delivers tens of chunks; per chunk,
         a finiteness reduction and an ``add_`` cost ~2 us of dispatch each.  Here
-        the full-length parts are stacked once (one copy), checked with one row
-        sum, and added with one ``index_add_`` per run of equal weights, which
-        adds row by row in order with the same kernel as ``add_``: the sums are
+        the full-length parts of small chunks (:func:`worth_stacking`; larger ones
+        take one call each) are stacked once (one copy), checked with one row sum,
+        and added with one ``index_add_`` per run of equal weights, which adds
+        row by row in order with the same kernel as ``add_``: the sums are
         bit-identical to accumulating the parts one by one, and every refusal
         rule (and its reason) is the same, decided in the same order.
 
@@ -153,7 +154,8 @@ class ShardReducer:
             Per part, None when added, else the refusal reason (:meth:`accumulate`).
         """
         step = self.chunk_elems
-        full = [i for i, p in enumerate(parts) if p[2].numel() == step]
+        stack = worth_stacking(step, self.acc.dtype)
+        full = [i for i, p in enumerate(parts) if stack and p[2].numel() == step]
         rows: dict[int, int] = {i: r for r, i in enumerate(full)}
         stacked = torch.stack([parts[i][2] for i in full]) if len(full) > 1 else None
         finite: list[bool] | None = None

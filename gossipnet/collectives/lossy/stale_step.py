@@ -74,6 +74,19 @@ class StaleStep:
         return stepped
 
     @staticmethod
+    def measure_rows(rnd: Round, b: int, idx: torch.Tensor, rows: torch.Tensor) -> None:
+        """:meth:`measure` for the stacked full-length chunks ``idx`` of bucket ``b``
+        (``rows[i]`` is chunk ``idx[i]``'s new values), in a few tensor operations;
+        call it before the rows are written."""
+        assert rnd.step_mag is not None
+        step = rnd.plans[b].chunk_elems
+        dst = rnd.dst[b]
+        old = dst[: (dst.numel() // step) * step].view(-1, step).index_select(0, idx)
+        moved = (rows.float() - old.float()).abs().sum(dim=1) / step
+        known = torch.isfinite(moved)
+        rnd.step_mag[b][idx[known]] = moved[known]
+
+    @staticmethod
     def measure(rnd: Round, b: int, c: int, values: torch.Tensor) -> None:
         """Record the step chunk ``c`` of bucket ``b`` takes (before it is written);
         ``rnd.step_mag`` must be set (:meth:`fresh`)."""
