@@ -224,6 +224,9 @@ def test_forged_contribution_is_a_counted_drop(
     c = rnd.owned[0].start
     assert scatter.rs_part(ctx, rnd, _pkt("p1", 0, c, z, payload)) is None  # type: ignore[arg-type]
     assert ctx.dropped[reason] == 1, ctx.dropped
+    codec = rnd.codec
+    assert isinstance(codec, CompressSession)
+    assert codec.counters[f"dropped_{reason}"] == 1  # the round's report says so
 
 
 def test_forged_chunk_fields_and_dense_packets_are_counted() -> None:

@@ -188,6 +188,7 @@ class CompressSession(SessionState):
                 raise Bad("compressed_kind")
             return self._dequant(payload, rnd.plans[b].chunk(c)[1]), None
         except Bad as bad:
+            self.counters[f"dropped_{bad}"] += 1  # in the round's report, by reason
             return str(bad)
 
     def encode_ag(
@@ -210,6 +211,7 @@ class CompressSession(SessionState):
                 raise Bad("compressed_kind")
             return self._dequant(payload, rnd.plans[b].chunk(c)[1])
         except Bad as bad:
+            self.counters[f"dropped_{bad}"] += 1  # in the round's report, by reason
             return str(bad)
 
     # ------------------------------------------------------------------ quantisers
