@@ -279,3 +279,43 @@ def test_owner_average_of_compressed_contributions_is_unbiased_under_loss(
     se = statistics.stdev(samples) / math.sqrt(len(samples))
     assert abs(statistics.fmean(samples) / se) < 4.5
     assert abs(statistics.fmean(samples)) < 0.1 * true_mean  # zero-fill: about -0.6
+
+
+@pytest.mark.timeout(60)
+def test_arctopk_bootstraps_after_the_view_changes(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """A peer leaves the view (churn): the chunking and the owners change, so no
+    announced set carries over; every peer falls back to the seeded bootstrap set
+    of the round, and no value is refused as a mismatch nor sent without a set."""
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = [LossyAllReduce(node) for node in nodes]
+            sessions = [CompressSession(ArcTopK(density=0.05)) for _ in range(N)]
+            for s in sessions:
+                s.ledger = Ledger()
+            make = grads(5)
+            for r, view in enumerate([IDS] * 3 + [IDS[:3]] * 3):
+                members = [i for i in range(N) if IDS[i] in view]
+                runs = [
+                    engines[i].run(
+                        [make(i, r)],
+                        RoundOptions(timeout_s=2.0, compress=sessions[i], participants=view),
+                    )
+                    for i in members
+                ]
+                reps = list(await drive(clock, asyncio.gather(*runs), timeout_s=10))
+                for rep in reps:
+                    assert rep.extra["index_mismatch"] == 0
+                    assert rep.extra["missed_announcement"] == 0
+                    assert rep.chunks_stale == 0
+            for i in range(3):
+                led = sessions[i].ledger
+                assert led is not None
+                torch.testing.assert_close(
+                    led.put_in[0], led.confirmed[0] + sessions[i].e[0], rtol=1e-4, atol=1e-3
+                )
+
+    run_async(main())
