@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from gossipnet._join import join
 from gossipnet.clock import Clock, FakeClock, MonotonicClock
+from gossipnet.collectives.compress import DCT, Accordion, ArcTopK, Int8
 from gossipnet.config import Config
 from gossipnet.errors import (
     ClosedError,
@@ -35,7 +36,10 @@ from gossipnet.transport.faults import Crash, FaultPlan, GilbertElliott, Partiti
 __version__ = "0.1.0"
 
 __all__ = (
+    "DCT",
+    "Accordion",
     "AllReduceOptions",
+    "ArcTopK",
     "AutoTau",
     "AutoTauConfig",
     "Clock",
@@ -50,6 +54,7 @@ __all__ = (
     "GilbertElliott",
     "GossipError",
     "GossipOptimizer",
+    "Int8",
     "JoinError",
     "LayoutMismatchError",
     "MicrobatchReport",

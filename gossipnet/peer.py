@@ -29,6 +29,8 @@ from gossipnet._collective import moshpit_bound_s, moshpit_config, stage
 from gossipnet._core import ENGINES, Engines, IslandHost
 from gossipnet._training_host import PeerTrainingHost
 from gossipnet.clock import Clock
+from gossipnet.collectives.compress import Compression, CompressSession
+from gossipnet.collectives.compress import resolve as resolve_compress
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.collectives.route.averager import RouteTime
 from gossipnet.config import Config
@@ -103,6 +105,8 @@ class Peer:
         self._statesync = engines.statesync
         self._route = engines.route
         self._island = engines.island
+        # net.all_reduce(compress=...)'s error feedback, per (compressor, layout)
+        self._compress_sessions: dict[tuple[Any, ...], CompressSession] = {}
         self._microbatch = MicrobatchState()
 
     # ------------------------------------------------------------------ runtime
@@ -168,6 +172,7 @@ class Peer:
         timeout: float | None = None,
         *,
         weight: float = 1.0,
+        compress: Compression | None = None,
     ) -> CollectiveReport:
         """Average ``tensors`` across the alive peers, in place, tolerating loss.
 
@@ -183,12 +188,23 @@ class Peer:
             timeout: bound of the whole round in seconds (default
                 ``Config.collective_timeout_s``).
             weight: this peer's weight, >= 0.
+            compress: ``"bf16"``, ``"fp16"``, :class:`gossipnet.Int8`,
+                :class:`gossipnet.ArcTopK`, :class:`gossipnet.DCT` or
+                :class:`gossipnet.Accordion` (every peer the same); the result is
+                then the average of the compressed contributions, and the error
+                feedback (per compressor and layout, kept by this peer) carries
+                what was not sent into later calls.  The report's ``extra`` has
+                ``bytes_sent``, ``bytes_dense``, ``compression_ratio``.
 
         Returns:
             The round's :class:`CollectiveReport`; packet loss never raises.
+
+        Raises:
+            ConfigError: ``compress`` is not one of the above.
         """
         if not tensors:
             raise ValueError("all_reduce needs at least one tensor")
+        spec = resolve_compress(compress)
         cpu0 = time.thread_time()
         staged = stage(self._flat_for(tensors), tensors)
         if staged.nonfinite:
@@ -198,7 +214,8 @@ class Peer:
             )
             weight = 0.0
         t = self.config.collective_timeout_s if timeout is None else timeout
-        work = functools.partial(self._all_reduce, staged.cpu, weight, t)
+        session = self._compress_session(spec, staged.cpu) if spec is not None else None
+        work = functools.partial(self._all_reduce, staged.cpu, weight, t, session)
         report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
@@ -257,9 +274,24 @@ class Peer:
         return self._island.average(host, tensors, timeout, topology=topology, device=device)
 
     async def _all_reduce(
-        self, buckets: list[torch.Tensor], weight: float, timeout_s: float
+        self,
+        buckets: list[torch.Tensor],
+        weight: float,
+        timeout_s: float,
+        session: CompressSession | None = None,
     ) -> CollectiveReport:
-        return await self._engine().run(buckets, RoundOptions(weight=weight, timeout_s=timeout_s))
+        opts = RoundOptions(weight=weight, timeout_s=timeout_s, compress=session)
+        return await self._engine().run(buckets, opts)
+
+    def _compress_session(
+        self, spec: Compression, buckets: Sequence[torch.Tensor]
+    ) -> CompressSession:
+        """The error-feedback state of ``spec`` for this layout (kept across calls)."""
+        key = (spec, tuple((b.numel(), b.dtype) for b in buckets))
+        session = self._compress_sessions.get(key)
+        if session is None:
+            session = self._compress_sessions[key] = CompressSession(spec)
+        return session
 
     def _engine(self) -> LossyAllReduce:
         return self._allreduce
@@ -274,6 +306,7 @@ class Peer:
         timeout: float | None = None,
         group_size: int | None = None,
         start_round: int | None = None,
+        compress: Compression | None = None,
     ) -> CollectiveReport:
         """Average ``tensors`` (e.g. parameters) with the other peers, in place.
 
@@ -303,13 +336,16 @@ class Peer:
                 default each call is the next sweep; the optimizer strategy passes
                 ``step // average_every * SWEEP_STRIDE`` so that peers average the same
                 sweep at the same step however long any of them stalled.
+            compress: with ``method="allreduce"``, as :meth:`all_reduce`'s.
 
         Returns:
             The merged :class:`CollectiveReport` (``extra``: rounds, mean group size,
             rounds spent alone).
         """
         if method == "allreduce":
-            return self.all_reduce(tensors, timeout, weight=weight)
+            return self.all_reduce(tensors, timeout, weight=weight, compress=compress)
+        if compress is not None:
+            raise ConfigError(f"compress= applies to method='allreduce' here, not {method!r}")
         if method == "route":
             return route_average(
                 self._training_host,

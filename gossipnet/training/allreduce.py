@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from gossipnet.collectives.chunks import all_finite
+from gossipnet.collectives.compress import CompressSession
 from gossipnet.collectives.lossy.engine import LossyAllReduce, OwnedShard
 from gossipnet.collectives.lossy.options import RoundOptions
 from gossipnet.collectives.lossy.round_id import (
@@ -104,6 +105,8 @@ class AllReduceStrategy:
         )
         # lost parameter broadcasts take an estimated step (Config.stale_step)
         self._stale_step = StaleStep() if cfg.stale_step else None
+        # the gradients' compressor and its error feedback (one layout: our buckets)
+        self.compress = CompressSession(options.compress) if options.compress is not None else None
         self.groups, self.param_flats = adopt_groups(base)
         self.grad_flats = [
             FlatBuffer([torch.zeros_like(p) for p in ps]) if ps else None for ps in self.groups
@@ -290,6 +293,7 @@ class AllReduceStrategy:
                 stale_step=self._stale_step,
                 parity_group=self.host.config.parity_for(optimizer=True),
                 round_id=self._rid(step, GRADIENTS),
+                compress=self.compress,
             ),
         )
         self._last_align = engine.alignment()

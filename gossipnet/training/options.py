@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from gossipnet.collectives.compress import Compression
+from gossipnet.collectives.compress import resolve as resolve_compress
 from gossipnet.collectives.moshpit.averager import BEHIND_SWEEPS
 from gossipnet.errors import ConfigError
 
@@ -33,6 +35,12 @@ class AllReduceOptions:
             ``Config.resync_every_steps``; 0: only step 0).
         timeout_s: bound of one step's collective in seconds (None:
             ``Config.collective_timeout_s``).
+        compress: the gradients' compressor (``"bf16"``, ``"fp16"``,
+            :class:`gossipnet.Int8`, :class:`gossipnet.ArcTopK`, :class:`gossipnet.DCT`,
+            :class:`gossipnet.Accordion`; None: dense).  Only the reduce-scatter of
+            gradients is compressed: the parameter broadcast stays float32 (with
+            ARC-Top-K and DCT it also carries the index sets and contributor
+            bitmaps), and resyncs are dense.  Error feedback lives with the strategy.
     """
 
     name: ClassVar[str] = "allreduce"
@@ -43,11 +51,13 @@ class AllReduceOptions:
 
     resync_every_steps: int | None = None
     timeout_s: float | None = None
+    compress: Compression | None = None
 
     def __post_init__(self) -> None:
         if self.resync_every_steps is not None and self.resync_every_steps < 0:
             raise ConfigError("resync_every_steps must be >= 0")
         _positive("timeout_s", self.timeout_s)
+        object.__setattr__(self, "compress", resolve_compress(self.compress))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -16,11 +16,13 @@ Layout (little-endian, :data:`FIXED`), then the sender's id (UTF-8,
 ``src_len`` bytes), then ``ndst`` destination tags of 4 bytes::
 
     magic u8 (0xC1)  version u8  kind u16  mode u8  dtype u8  x u8  flags u8
-    src_len u8  ndst u8  reserved u16  run u32  epoch u64  seq u64
+    src_len u8  ndst u8  z u16  run u32  epoch u64  seq u64
     round u64  layout u32  bucket u32  chunk u32  count u32  weight f64
 
 ``flags``: bit 0 a weight is present, bit 1 a parity group ``x`` is announced,
-bit 2 destination tags are present (even zero of them, as msgpack's ``"@"``).
+bit 2 destination tags are present (even zero of them, as msgpack's ``"@"``),
+bit 3 a compressed payload's kind ``z`` is present (the u16 that was reserved;
+``gossipnet.collectives.compress.payload.Z``; without the bit it is 0).
 ``run``: 4 bytes of a hash of ``Config.run`` (the MAC key is per run too; this
 keeps the codec's ``run`` reject reason).  ``dtype``: an index into
 :data:`DTYPE_ORDER`.  The MAC covers the header as it does a msgpack one.
@@ -40,6 +42,7 @@ __all__ = (
     "HAS_DST",
     "HAS_W",
     "HAS_X",
+    "HAS_Z",
     "MAGIC",
     "pack",
     "run_tag",
@@ -48,15 +51,15 @@ __all__ = (
 #: First byte of a fixed header: unused by msgpack, so no map starts with it.
 MAGIC = 0xC1
 FIXED = struct.Struct("<BBHBBBBBBHIQQQIIIId")
-HAS_W, HAS_X, HAS_DST = 1, 2, 4
+HAS_W, HAS_X, HAS_DST, HAS_Z = 1, 2, 4, 8
 #: Wire dtype codes in index order (the ``dtype`` byte); append only.
 DTYPE_ORDER = ("f32", "f16", "bf16", "f64", "i64", "i32", "u8")
 _DTYPE_INDEX = {code: i for i, code in enumerate(DTYPE_ORDER)}
 #: Fields a data packet carries; a packet with exactly these (``w``, ``x`` optional)
 #: goes in a fixed header, any other in msgpack.
-DATA_KEYS = frozenset({"r", "m", "L", "b", "c", "dt", "n", "w", "x"})
+DATA_KEYS = frozenset({"r", "m", "L", "b", "c", "dt", "n", "w", "x", "z"})
 _REQUIRED = frozenset({"r", "m", "L", "b", "c", "dt", "n"})
-_U8, _U32, _U64 = 0xFF, 0xFFFF_FFFF, (1 << 64) - 1
+_U8, _U16, _U32, _U64 = 0xFF, 0xFFFF, 0xFFFF_FFFF, (1 << 64) - 1
 
 
 def run_tag(run: str) -> int:
@@ -92,21 +95,22 @@ def pack(
     get = fields.get
     r, m, lay, b, c, n = get("r"), get("m"), get("L"), get("b"), get("c"), get("n")
     dt = _DTYPE_INDEX.get(get("dt"))  # type: ignore[arg-type]
-    w, x = get("w"), get("x", 0)
+    w, x, z = get("w"), get("x", 0), get("z", 0)
     flags = (HAS_W if w is not None else 0) | (HAS_X if "x" in fields else 0)
+    flags |= HAS_Z if "z" in fields else 0
     if tags is not None:
         flags |= HAS_DST
     ndst = len(tags) // 4 if tags is not None else 0
     if not (
         dt is not None
         and _uint(r, _U64) and _uint(m, _U8) and _uint(lay, _U32) and _uint(b, _U32)
-        and _uint(c, _U32) and _uint(n, _U32) and _uint(x, _U8)
+        and _uint(c, _U32) and _uint(n, _U32) and _uint(x, _U8) and _uint(z, _U16)
         and (w is None or type(w) in (int, float))
         and len(src) <= _U8 and ndst <= _U8
     ):  # fmt: skip
         return None
     head = FIXED.pack(
-        MAGIC, version, kind, m, dt, x, flags, len(src), ndst, 0, run, epoch, seq,
+        MAGIC, version, kind, m, dt, x, flags, len(src), ndst, z, run, epoch, seq,
         r, lay, b, c, n, float(w if w is not None else 0.0),
     )  # fmt: skip
     return b"".join((head, src, tags or b""))

@@ -416,7 +416,7 @@ class WireCodec:
         if len(head) < size:
             self._reject("header_parse", None)
             return None
-        (_, version, kind, mode, dt, x, flags, src_len, ndst, _, run, epoch, seq,
+        (_, version, kind, mode, dt, x, flags, src_len, ndst, z, run, epoch, seq,
          r, lay, b, c, n, w) = _fixed.FIXED.unpack_from(head)  # fmt: skip
         if version != VERSION:
             self._reject("version", None)
@@ -461,6 +461,8 @@ class WireCodec:
             fields["w"] = w
         if flags & _fixed.HAS_X:
             fields["x"] = x
+        if flags & _fixed.HAS_Z:
+            fields["z"] = z
         return Packet(src, epoch, seq, kind, fields, payload, directed, reason is None)
 
     def _src_name(self, raw: bytes) -> str:

@@ -103,3 +103,16 @@ def test_preemptible_restarts_resume_from_a_live_peer(tmp_path: Path) -> None:
     assert summary["restarts_synced"] == summary["restarts"], out[-2000:]
     assert summary["loss_last_20pct"] < summary["loss_first_20pct"], out[-2000:]
     assert rc in (0, 1), out[-2000:]
+
+
+@pytest.mark.timeout(EXAMPLE_BOUND_S + 20)
+def test_compressed_wan_saves_bytes_and_learns(tmp_path: Path) -> None:
+    args = ("--steps", "60", "--loss", "0.1")
+    rc, out = run_example(tmp_path, "compressed_wan.py", *args, timeout=EXAMPLE_BOUND_S)
+    assert rc == 0, out[-2000:]
+    res = last_json(out)
+    assert res["bytes_saved"]["ddp+arctopk"] > 5  # both directions compressed
+    assert res["bytes_saved"]["opt+arctopk"] > 1.2  # gradients only
+    for run in ("dense", "opt+arctopk", "ddp+arctopk"):
+        assert math.isfinite(res[run]["test_mse"])
+        assert res[run]["test_mse"] < 0.25  # learned: the untrained student scores 0.54

@@ -10,7 +10,10 @@ import gossipnet
 
 def test_all_is_pinned() -> None:
     assert gossipnet.__all__ == (
+        "DCT",
+        "Accordion",
         "AllReduceOptions",
+        "ArcTopK",
         "AutoTau",
         "AutoTauConfig",
         "Clock",
@@ -25,6 +28,7 @@ def test_all_is_pinned() -> None:
         "GilbertElliott",
         "GossipError",
         "GossipOptimizer",
+        "Int8",
         "JoinError",
         "LayoutMismatchError",
         "MicrobatchReport",

@@ -61,6 +61,11 @@ def test_data_fields_travel_in_the_fixed_header(mac: str) -> None:
     assert pkt.fields == {**DATA, "x": 3}
     assert (pkt.src, pkt.kind, pkt.directed, pkt.fresh) == ("a", LossyKind.RS_DATA, True, True)
     assert bytes(pkt.payload) == payload
+    # a compressed payload's kind (the u16 once reserved) travels fixed too
+    zipped = {**DATA, "dt": "u8", "n": len(payload), "z": 3}
+    pkt = rx.decode(tx.encode(LossyKind.RS_DATA, zipped, payload, dst="b"))
+    assert pkt is not None
+    assert pkt.fields == zipped
     no_w = {k: v for k, v in DATA.items() if k != "w"}
     pkt = rx.decode(tx.encode(LossyKind.AG_DATA, no_w, payload, dst=["c", "b"]))
     assert pkt is not None
@@ -78,6 +83,7 @@ def test_data_fields_travel_in_the_fixed_header(mac: str) -> None:
         {**DATA, "b": True},  # a bool is not a chunk index
         {**DATA, "dt": "f128"},
         {**DATA, "w": "1"},
+        {**DATA, "z": 1 << 16},  # wider than its field
         {k: v for k, v in DATA.items() if k != "L"},  # a required field missing
     ],
 )

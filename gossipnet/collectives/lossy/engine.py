@@ -149,6 +149,8 @@ class LossyAllReduce(Intake):
         rnd.fec_k = self.loss.parity_group(
             self._others(rnd), parity_group, node.config.parity_always
         )
+        if opts.compress is not None:
+            rnd.fec_k = 0  # parity XORs dense payloads
         if opts.stale_step is not None:
             rnd.step_mag = StaleStep.fresh(rnd)
         try:
@@ -164,6 +166,8 @@ class LossyAllReduce(Intake):
                 rnd.repaired = True  # its repair answers arrive after ENDs by design
                 ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
             report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
+            if rnd.codec is not None:
+                report.extra.update(rnd.codec.finish(rnd))
             if opts.stale_step is not None:  # chunks_stale still counts them: not delivered
                 report.extra["estimated"] = float(opts.stale_step.apply(rnd))
             self._note_loss(report)
@@ -200,9 +204,12 @@ class LossyAllReduce(Intake):
         dst = list(opts.dst) if opts.dst is not None else src
         rnd = Round(
             r, node.peer_id, tuple(parts), src, dst, opts.weight,
-            chunk_sizes(node, src, len(parts)), opts.mode, redundancy, self._pool,
-            not opts.repair,
+            chunk_sizes(node, src, len(parts), opts.compress, opts.on_reduced is not None),
+            opts.mode, redundancy, self._pool, not opts.repair,
         )  # fmt: skip
+        if opts.compress is not None:  # before any packet of the round is taken in
+            rnd.codec = opts.compress
+            opts.compress.begin(rnd, opts.on_reduced is not None)
         self._round = rnd
         self.next_round = r + 1
         node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it

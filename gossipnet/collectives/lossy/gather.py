@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 
 import torch
 
@@ -35,7 +36,7 @@ from gossipnet.collectives.lossy.packets import (
     send_copy,
 )
 from gossipnet.collectives.lossy.parity import on_parity, send_parity
-from gossipnet.collectives.lossy.reducer import OwnedShard
+from gossipnet.collectives.lossy.reducer import OwnedShard, ShardReducer
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.transport.wire import DTYPE_CODES, Packet
@@ -65,6 +66,38 @@ async def all_gather(
         rnd.ag_expected,
         lambda: announce_ag_end(ctx, rnd),
     )
+
+
+def _encode_shard(
+    rnd: Round, shard: OwnedShard, value: torch.Tensor
+) -> dict[int, tuple[int, bytes]]:
+    """Our compressed broadcasts of ``shard``'s chunks, by chunk; ``value`` becomes
+    what the receivers decode (so our own copy is bit-identical to theirs).
+
+    A chunk the codec leaves dense (parameters under a quantiser) is not in the result.
+    """
+    codec = rnd.codec
+    assert codec is not None
+    b = shard.bucket
+    plan, red = rnd.plans[b], rnd.reducers[b]
+    owned = rnd.owned[b]
+    out: dict[int, tuple[int, bytes]] = {}
+    for c in owned:
+        if shard.weights[c - owned.start] <= 0:
+            continue
+        off, count = plan.chunk(c)
+        view = value.narrow(0, off - shard.start, count)
+        got = codec.encode_ag(rnd, b, c, view, functools.partial(_has, red, c))
+        if got is not None:
+            z, payload, decoded = got
+            if decoded is not view:
+                view.copy_(decoded)
+            out[c] = (z, payload)
+    return out
+
+
+def _has(red: ShardReducer, c: int, sender: str) -> bool:
+    return red.has(sender, c)
 
 
 def _broadcast_bytes(rnd: Round, shard: OwnedShard, value: torch.Tensor) -> memoryview:
@@ -112,6 +145,7 @@ async def send_ag(
     copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
     for shard, value in zip(shards, values, strict=True):
         b = shard.bucket
+        encoded = _encode_shard(rnd, shard, value) if rnd.codec is not None else {}
         raw = _broadcast_bytes(rnd, shard, value)
         plan = rnd.plans[b]
         code = DTYPE_CODES[rnd.dst[b].dtype]
@@ -131,8 +165,14 @@ async def send_ag(
                 "dt": code,
                 "n": count,
             }
+            z = encoded.get(c)
+            if z is not None:  # compressed: its own payload kind and bytes
+                fields.update(dt="u8", n=len(z[1]), z=int(z[0]))
+                payload = memoryview(z[1])
             # one encoding (one MAC) for every destination
             frames = node.encode_for(others, kind, fields, payload)
+            if rnd.codec is not None:
+                rnd.codec.sent(frames, len(others) * rnd.redundancy, count * 4)
             rnd.sent += node.send_frames(others, frames)
             if copies is not None:
                 copies.append((others, frames))
@@ -191,7 +231,7 @@ def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
             lambda b, c, values: _accept_ag(ctx, rnd, src, b, c, values),
         )
         return
-    got = chunk_of(rnd, pkt, ctx.dropped)
+    got = _compressed_chunk(ctx, rnd, pkt) if "z" in pkt.fields else chunk_of(rnd, pkt, ctx.dropped)
     if got is None:
         return
     b, c, values = got
@@ -204,6 +244,38 @@ def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     if overtaken:
         ctx.note_after_end(rnd, pkt)
     _accept_ag(ctx, rnd, src, b, c, values)
+
+
+def _compressed_chunk(
+    ctx: PhaseContext, rnd: Round, pkt: Packet
+) -> tuple[int, int, torch.Tensor] | None:
+    """A compressed broadcast chunk decoded to its dense values, or None (counted).
+
+    Checked for ownership and duplicates before decoding: decoding acts on the
+    compressor's state (the next index set, the answers about our contributions).
+    """
+    codec, f = rnd.codec, pkt.fields
+    b, c, z = f.get("b"), f.get("c"), f.get("z")
+    if codec is None or not isinstance(z, int):
+        ctx.dropped["compressed_kind"] += 1
+        return None
+    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
+        ctx.dropped["bad_chunk"] += 1
+        return None
+    if not 0 <= c < rnd.plans[b].nchunks:
+        ctx.dropped["bad_chunk"] += 1
+        return None
+    if c in rnd.owned[b] or c not in rnd.maps[b].chunks_of(pkt.src):
+        ctx.dropped["not_owner"] += 1
+        return None
+    if rnd.got_np[b][c]:
+        ctx.dropped["duplicate"] += 1
+        return None
+    values = codec.decode_ag(rnd, pkt.src, b, c, z, pkt.payload)
+    if isinstance(values, str):
+        ctx.dropped[values] += 1
+        return None
+    return b, c, values
 
 
 def on_ag_batch(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:

@@ -111,6 +111,7 @@ class Intake:
             and f.get("L") == rnd.layout
             and pkt.src in rnd.members
             and "g" not in f
+            and "z" not in f  # compressed: decoded one by one (.scatter, .gather)
         ):
             return -1
         if r > self.max_seen:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.parity import MAX_GROUP
 from gossipnet.collectives.lossy.reducer import OwnedShard
 from gossipnet.collectives.lossy.round_id import valid_mode, valid_round
@@ -55,6 +56,9 @@ class RoundOptions:
         round_id: what this round is, the same on every peer (the optimizer's:
             :func:`.round_id.optimizer_round`), in [0, 2**53); above every id run
             before.  Default: the next call, caught up to the highest round announced.
+        compress: the round's compressor (:class:`.compressed.ChunkCodec`, e.g. a
+            :class:`gossipnet.collectives.compress.CompressSession`); None: dense.
+            No parity and no repair with it (parity XORs dense payloads).
 
     Raises:
         ValueError: a value out of the ranges above.
@@ -71,6 +75,7 @@ class RoundOptions:
     stale_step: StaleStep | None = None
     parity_group: int | None = None
     round_id: int | None = None
+    compress: ChunkCodec | None = None
 
     def __post_init__(self) -> None:
         if self.round_id is not None and not valid_round(self.round_id):
@@ -85,3 +90,5 @@ class RoundOptions:
             raise ValueError(f"weight must be a finite number >= 0, got {self.weight}")
         if not valid_mode(self.mode):
             raise ValueError(f"mode must be an int in [0, 255], got {self.mode!r}")
+        if self.compress is not None and self.repair:
+            raise ValueError("a compressed round cannot repair (repair serves dense bytes)")

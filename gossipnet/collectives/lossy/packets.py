@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gossipnet.collectives.chunks import all_finite, auto_chunk_bytes, from_bytes
+from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.runtime.node import Node
@@ -137,15 +138,29 @@ def chunk_of(
     return b, c, values
 
 
-def chunk_sizes(node: Node, src: Sequence[torch.Tensor], participants: int) -> list[int]:
+def chunk_sizes(
+    node: Node,
+    src: Sequence[torch.Tensor],
+    participants: int,
+    codec: ChunkCodec | None = None,
+    param_mode: bool = False,
+) -> list[int]:
     """Chunk bytes per bucket: ``Config.chunk_bytes`` if set, else grown with the
-    bucket, never past ``Config.max_payload_bytes`` (a receiver would drop it)."""
+    bucket, never past ``Config.max_payload_bytes`` (a receiver would drop it).
+    A compressed round (``codec``) sizes chunks so their compressed payload fits
+    one packet (``ChunkCodec.chunk_bytes``)."""
     fixed = node.config.chunk_bytes
     transport = node.transport
     limit = node.config.max_payload_bytes
     base = transport.default_chunk_bytes if transport is not None else 64 * 1024
     base = min(base, limit)
     cap = min(getattr(transport, "max_chunk_bytes", base), limit)
+    if codec is not None:
+        one = fixed or base
+        return [
+            codec.chunk_bytes(one, b.numel(), b.element_size(), participants, param_mode)
+            for b in src
+        ]
     return [
         fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
         for b in src

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
+from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.reducer import ShardReducer
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.reports import CollectiveReport
@@ -154,6 +155,8 @@ class Round:
     ) -> None:
         self.r = r
         self.mode = mode
+        self.weight = weight
+        self.codec: ChunkCodec | None = None  # set by the engine for a compressed round
         self.me = me
         self.participants = participants
         self.members = frozenset(participants)

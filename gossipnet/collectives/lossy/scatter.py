@@ -31,6 +31,7 @@ from gossipnet.collectives.lossy.packets import (
 from gossipnet.collectives.lossy.parity import group_count, on_parity, send_parity
 from gossipnet.collectives.lossy.reducer import OwnedShard
 from gossipnet.collectives.lossy.round import Round
+from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
 __all__ = (
@@ -72,17 +73,20 @@ async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
         plan = rnd.plans[b]
         raw, code = raws[b], codes[b]
         _, count = plan.chunk(c)
-        fields = {
-            **rnd.ident,
-            "b": b,
-            "c": c,
-            "w": weight,
-            "dt": code,
-            "n": count,
-        }
-        if (owner, b) in fec:
-            fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
-        frames = node.encode_for((owner,), kind, fields, raw[plan.byte_slice(c)])
+        if rnd.codec is not None:
+            frames = compressed_rs(ctx, rnd, owner, b, c, weight)
+        else:
+            fields = {
+                **rnd.ident,
+                "b": b,
+                "c": c,
+                "w": weight,
+                "dt": code,
+                "n": count,
+            }
+            if (owner, b) in fec:
+                fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
+            frames = node.encode_for((owner,), kind, fields, raw[plan.byte_slice(c)])
         rnd.sent += node.send_frames((owner,), frames)
         if copies is not None:
             copies.append(((owner,), frames))
@@ -113,6 +117,20 @@ async def _send_rs_parity(
             kind = ctx.k.rs_data
             rnd.sent += send_parity(ctx, rnd, kind, (owner,), b, chunks, raws[b][span], fields)
             await asyncio.sleep(0)
+
+
+def compressed_rs(
+    ctx: PhaseContext, rnd: Round, owner: str, b: int, c: int, weight: float
+) -> list[Buffer]:
+    """The encoded packet of our compressed contribution to ``owner``'s chunk ``c``."""
+    codec = rnd.codec
+    assert codec is not None
+    z, payload = codec.encode_rs(rnd, owner, b, c)
+    fields = {**rnd.ident, "b": b, "c": c, "w": weight, "dt": "u8", "n": len(payload), "z": int(z)}
+    frames = ctx.node.encode_for((owner,), ctx.k.rs_data, fields, payload)
+    plan = rnd.plans[b]
+    codec.sent(frames, rnd.redundancy, plan.chunk(c)[1] * 4)
+    return frames
 
 
 def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
@@ -219,12 +237,45 @@ def rs_part(ctx: PhaseContext, rnd: Round, pkt: Packet) -> RsPart | None:
             lambda b, c, values: _accept_rs(ctx, rnd, src, b, c, values, float(w), None),
         )
         return None
+    if "z" in pkt.fields:
+        return _compressed_part(ctx, rnd, pkt, float(w))
+    if rnd.codec is not None:  # a dense contribution to a compressed round: another setting
+        ctx.dropped["compressed_kind"] += 1
+        return None
     got = chunk_of(rnd, pkt, ctx.dropped, finite=False)  # the reducer checks values
     if got is None:
         return None
     b, c, values = got
     keep = pkt.payload if pkt.fields.get("x") else None
     return src, b, c, values, float(w), keep
+
+
+def _compressed_part(ctx: PhaseContext, rnd: Round, pkt: Packet, w: float) -> RsPart | None:
+    """A compressed contribution decoded to its chunk's dense values (or a counted drop).
+
+    One without usable values (only a sketch, another index set) still arrives,
+    with weight 0: its sender is complete, and nothing of it is added.
+    """
+    codec, f = rnd.codec, pkt.fields
+    b, c, z = f.get("b"), f.get("c"), f.get("z")
+    if codec is None or not isinstance(z, int):
+        ctx.dropped["compressed_kind"] += 1
+        return None
+    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
+        ctx.dropped["bad_chunk"] += 1
+        return None
+    if not 0 <= c < rnd.plans[b].nchunks or c not in rnd.owned[b]:
+        ctx.dropped["not_owner" if 0 <= c < rnd.plans[b].nchunks else "bad_chunk"] += 1
+        return None
+    if rnd.reducers[b].has(pkt.src, c):
+        ctx.dropped["duplicate"] += 1
+        return None
+    got = codec.decode_rs(rnd, pkt.src, b, c, z, pkt.payload, w)
+    if isinstance(got, str):
+        ctx.dropped[got] += 1
+        return None
+    values, weight = got
+    return pkt.src, b, c, values, w if weight is None else weight, None
 
 
 def accept_rs_batch(ctx: PhaseContext, rnd: Round, parts: list[RsPart]) -> None:

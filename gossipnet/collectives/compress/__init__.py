@@ -1,0 +1,60 @@
+"""Compression for the loss-tolerant all-reduce (ALGORITHMS.md section 6).
+
+``compress=`` on ``net.all_reduce`` and ``net.optimizer(strategy="allreduce")``
+takes ``"bf16"``, ``"fp16"``, :class:`Int8`, :class:`ArcTopK`, :class:`DCT` or
+:class:`Accordion` (:mod:`.spec`).  The lossy round (:mod:`gossipnet.collectives.lossy`)
+calls a :class:`CompressSession` at its per-chunk encode/decode points; the
+pure tensor functions are :mod:`.quant`, :mod:`.topk`, :mod:`.dct`,
+:mod:`.accordion`, the payload formats :mod:`.payload`.
+
+The rules under loss (each tested in ``tests/unit/test_compress_*``):
+
+- Every compressed packet is decodable alone: it carries its own counts, scale,
+  index set or index list (:mod:`.payload`), and is authenticated like any
+  packet.  A compressed round sizes its chunks so one compressed chunk fills
+  about one packet; losing a packet loses that chunk's values only.
+- Owners average what arrived, weighted, divided by the weight that arrived
+  (unbiased over arrivals, as on the dense path); a broadcast that is lost
+  leaves the receiver's own values (stale) or the estimated step.
+- ARC-Top-K index sets are chosen by each chunk's owner and announced with its
+  broadcast, tagged with the round; values are added only at the set in force
+  (a tag that differs is counted as ``index_mismatch``, never added), a sender
+  that missed the announcement sends its sketch only (``missed_announcement``).
+  Bootstrap: a set drawn from a seed of (round, bucket, chunk).  See :mod:`.sparse`.
+- Error feedback (EF21M for ARC-Top-K, plain EF for DCT): a sent contribution
+  stays *pending* until the owner's broadcast answers with a contributor bitmap
+  (this round's and the previous round's): counted, it is gone; not counted, it
+  returns to the error ``e``.  Both answers lost (about p^2): assumed counted,
+  reported as ``ef_unresolved``.  Never counted twice, never dropped unseen.
+- Quantisers (bf16, fp16, int8) have no error feedback; in the optimizer the
+  parameter broadcast stays float32 for them (a rounded parameter stays rounded).
+
+Report keys (``report.extra``): ``bytes_sent`` (frames of the round's data
+packets), ``bytes_dense`` (what float32 would have sent: the payload in chunks of
+the dense size, each with the same header and MAC bytes), ``compression_ratio``,
+``index_mismatch``, ``missed_announcement``, ``sketch_only``, ``ef_restored``,
+``ef_unresolved`` (this round) and ``ef_unresolved_total``, ``accordion_critical``
+(share of buckets in the light setting), ``dropped_<reason>`` (malformed compressed
+payloads this round: ``compressed_index``, ``compressed_count``, ``non_finite``, ...).
+"""
+
+from gossipnet.collectives.compress.session import CompressSession, Ledger
+from gossipnet.collectives.compress.spec import (
+    DCT,
+    Accordion,
+    ArcTopK,
+    Compression,
+    Int8,
+    resolve,
+)
+
+__all__ = (
+    "DCT",
+    "Accordion",
+    "ArcTopK",
+    "CompressSession",
+    "Compression",
+    "Int8",
+    "Ledger",
+    "resolve",
+)

@@ -1,0 +1,114 @@
+"""The payload formats of compressed chunks: each packet decodable alone.
+
+A compressed data packet carries ``"z"`` (its payload kind, :class:`Z`; in the
+fixed binary data header, flag bit 3 and the formerly reserved u16) beside the
+usual round, mode, layout, bucket and chunk fields, ``dt="u8"`` and ``n`` = its
+payload's byte length (so the codec's length check still holds).  Every
+payload says, itself, what it holds: its counts, its scale, its index set or
+index list.  Little-endian; counts first, then the sections in order:
+
+``QUANT``   ``<BI`` kind (0 bf16, 1 fp16, 2 int8), count; [int8: f32 scale]; values.
+``TOPK_RS`` ``<QII`` set tag, proposed blocks, values; u32 proposed block ids; their
+            bf16 norms (a sparse sketch); f32 values at the set.
+``TOPK_AG`` ``<QQHIIIB`` next tag, previous round, participants, current set blocks,
+            next set blocks, values, value kind (0 at the current set, 1 dense);
+            contributor bitmaps (this round, the previous), u32 current set,
+            u32 next set, f32 values.
+``DCT_RS``  ``<I`` entries; u32 indices; f32 values.
+``DCT_AG``  ``<QHIB`` previous round, participants, entries, value kind (0 sparse,
+            1 dense); two contributor bitmaps; [u32 indices]; f32 values.
+
+Decoders check every count against the chunk (an index beyond it, a count that
+does not add up to the payload's length, an unsorted or repeated index, a
+non-finite value or scale): each is a :class:`Bad` with the reason the caller
+counts, never an exception that escapes.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from gossipnet.collectives.chunks import all_finite, as_bytes, from_bytes
+
+__all__ = ("NONE", "Bad", "Z", "bitmap", "in_bitmap", "join", "Reader")
+
+#: A set tag or round id that is none (no announcement, no previous round).
+NONE = (1 << 64) - 1
+
+
+class Z(enum.IntEnum):
+    """Payload kinds (the ``"z"`` field)."""
+
+    QUANT = 1
+    TOPK_RS = 2
+    TOPK_AG = 3
+    DCT_RS = 4
+    DCT_AG = 5
+
+
+class Bad(Exception):
+    """A malformed compressed payload; ``str(self)`` is the drop reason."""
+
+
+def join(*parts: bytes | torch.Tensor) -> bytes:
+    """Concatenate struct bytes and CPU tensors' raw bytes (one copy)."""
+    return b"".join(p if isinstance(p, bytes) else bytes(as_bytes(p.contiguous())) for p in parts)
+
+
+def bitmap(flags: torch.Tensor) -> torch.Tensor:
+    """Bool flags -> packed uint8 bitmap (bit ``i % 8`` of byte ``i // 8``)."""
+    n = flags.numel()
+    pad = (-n) % 8
+    f = torch.nn.functional.pad(flags.to(torch.uint8), (0, pad)).view(-1, 8)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+    return (f * weights).sum(dim=1).to(torch.uint8)
+
+
+def in_bitmap(bits: torch.Tensor, i: int) -> bool:
+    """Whether bit ``i`` of a packed bitmap is set."""
+    return bool((int(bits[i // 8]) >> (i % 8)) & 1)
+
+
+@dataclass(slots=True)
+class Reader:
+    """Sequential, checked reads of one payload (every read may raise :class:`Bad`)."""
+
+    data: memoryview
+    pos: int = 0
+
+    def struct(self, fmt: struct.Struct) -> tuple[int, ...]:
+        if self.pos + fmt.size > len(self.data):
+            raise Bad("compressed_short")
+        out = fmt.unpack_from(self.data, self.pos)
+        self.pos += fmt.size
+        return out
+
+    def tensor(self, dtype: torch.dtype, count: int) -> torch.Tensor:
+        size = count * dtype.itemsize
+        if count < 0 or self.pos + size > len(self.data):
+            raise Bad("compressed_count")
+        t = from_bytes(self.data[self.pos : self.pos + size], dtype, count)
+        self.pos += size
+        return t
+
+    def values(self, count: int) -> torch.Tensor:
+        """``count`` float32 values, all finite."""
+        v = self.tensor(torch.float32, count)
+        if not all_finite(v):
+            raise Bad("non_finite")
+        return v
+
+    def indices(self, count: int, bound: int) -> torch.Tensor:
+        """``count`` u32 indices, strictly increasing and below ``bound`` (int64)."""
+        raw = self.tensor(torch.int32, count).to(torch.int64) & 0xFFFF_FFFF
+        if count and (int(raw[-1]) >= bound or bool((raw[1:] <= raw[:-1]).any())):
+            raise Bad("compressed_index")
+        return raw
+
+    def done(self) -> None:
+        if self.pos != len(self.data):
+            raise Bad("compressed_count")

@@ -1,0 +1,238 @@
+"""A compressor's state across rounds for one layout: :class:`CompressSession`.
+
+One session per (compressor, tensor layout): the optimizer's strategy holds one
+for its parameter buckets, a peer one per layout it all-reduces.  It satisfies
+:class:`gossipnet.collectives.lossy.compressed.ChunkCodec`, the four per-chunk
+points (and ``begin``/``finish``) where the lossy round calls a compressor; the
+sparse families' arithmetic is in :mod:`.sparse`.
+
+State: per bucket the error feedback ``e`` (and EF21M's momentum ``m``); for
+ARC-Top-K the index sets announced to us (per chunk: owner, tag, blocks) and
+those we announced for our own chunks; the contributions we sent whose fate
+is not known yet (``pending``, resolved by the owners' contributor bitmaps);
+per round the sketches summed for our chunks and who sent no usable values.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gossipnet.collectives.compress import sparse
+from gossipnet.collectives.compress.payload import Bad, Reader, Z, join
+from gossipnet.collectives.compress.quant import (
+    HALF,
+    dequantize_int8,
+    from_half,
+    quantize_int8,
+    to_half,
+)
+from gossipnet.collectives.compress.state import Ledger, SessionState
+from gossipnet.collectives.lossy.compressed import Decoded
+
+__all__ = ("CompressSession", "Ledger")
+
+_QUANT = struct.Struct("<BI")
+_QKIND = {"bf16": 0, "fp16": 1, "int8": 2}
+
+
+class CompressSession(SessionState):
+    """One compressor's state for one layout, and its entry points for a round.
+
+    Args:
+        spec: a resolved ``compress=`` value (not None).
+    """
+
+    def chunk_bytes(
+        self, base: int, numel: int, itemsize: int, participants: int, param_mode: bool
+    ) -> int:
+        self.base_chunk = base
+        if param_mode:
+            return base
+        n = max(1, participants)
+        if self.family in HALF:
+            elems = (base - 8) // 2
+        elif self.family == "int8":
+            elems = base - 16
+        elif self.family == "topk":  # room for 3x the density in a chunk (.sparse._next_size)
+            d, blk = 3 * self.max_density(), self.block
+            per_elem = 4 * d + 8 * d / blk + 6 * d / blk  # values, sets, proposals
+            elems = int((base - 64 - 2 * math.ceil(n / 8) - 12 * blk) / per_elem)
+        else:  # dct: every sender's entries must fit the owner's broadcast together
+            cap = (base - 64 - 2 * math.ceil(n / 8)) // (8 * n)
+            elems = int(cap / (2 * self.max_density()))
+        share = -(-numel // n)  # every owner keeps a share of the bucket
+        elems = max(base // itemsize, min(elems, share))
+        return elems * itemsize
+
+    # ------------------------------------------------------------------ round
+    def begin(self, rnd: Any, param_mode: bool) -> None:
+        """Fold this round's inputs into the error feedback; compress our own shard."""
+        self.param_mode = param_mode
+        self.counters.clear()
+        self.sk.clear()
+        self.sk_w.clear()
+        self.hot.clear()
+        self.tau2.clear()
+        self.valueless.clear()
+        self.got.clear()
+        key = (tuple((p.numel, p.chunk_elems) for p in rnd.plans), rnd.participants)
+        if key != self._key:  # another chunking or view: announcements do not carry over
+            self._key = key
+            self.ann.clear()
+            self.force.clear()
+            self.bm_prev.clear()
+        self._expire_pending()
+        numels = [int(s.numel()) for s in rnd.src]
+        if [int(t.numel()) for t in self.e] != numels:
+            self.e = [torch.zeros(k, dtype=torch.float32) for k in numels]
+            self.m = [torch.zeros(k, dtype=torch.float32) for k in numels]
+            self.theta = [0.0] * len(numels)
+            self.pending.clear()
+            if self.ledger is not None:
+                self.ledger = Ledger()
+        self.src = list(rnd.src)
+        self.weight = float(rnd.weight)
+        ledger = self.ledger
+        if ledger is not None and not ledger.put_in:
+            zero = [torch.zeros(k, dtype=torch.float32) for k in numels]
+            ledger.put_in = [z.clone() for z in zero]
+            ledger.confirmed = [z.clone() for z in zero]
+            ledger.unresolved = [z.clone() for z in zero]
+            ledger.unresolved_abs = [z.clone() for z in zero]
+        if self.family in ("topk", "dct"):
+            self._fold(rnd)
+            sparse.compress_own(self, rnd)
+
+    def _fold(self, rnd: Any) -> None:
+        """``m <- (1-eta) m + eta g``, ``u = e + m`` (DCT: ``u = e + g``); ``e`` starts
+        as ``u`` and loses what is sent as it is sent."""
+        refresh = self.rounds % self.refresh_every == 0
+        self.u = []
+        for b, g in enumerate(rnd.src):
+            # weight 0 (non-finite or no work): nothing of this round enters e
+            g32 = g.to(torch.float32) if self.weight > 0 else torch.zeros(g.numel())
+            if self.ledger is not None:
+                self.ledger.put_in[b].add_(g32)
+            if self.accordion is not None:
+                self.accordion.observe(b, g32)
+            if self.family == "topk":
+                self.m[b].mul_(1 - self.eta).add_(g32, alpha=self.eta)
+                u = self.e[b] + self.m[b]
+            else:
+                u = self.e[b] + g32
+                keep = self.density(b)
+                if refresh or keep != self.theta_keep.get(b):  # Accordion switched it
+                    self.theta[b] = sparse.dct_threshold(u, keep)
+                    self.theta_keep[b] = keep
+            self.u.append(u)
+            self.e[b] = u.clone()
+        self.rounds += 1
+
+    def _expire_pending(self) -> None:
+        """Contributions whose owner's answer missed two broadcasts: assumed counted
+        (the mass leaves ``e``), counted in ``ef_unresolved`` and the ledger."""
+        for key in [k for k in self.pending if k[2] < self.last_round]:
+            _, b, idx, vals = self.pending.pop(key)
+            self.totals["ef_unresolved"] += 1
+            if self.ledger is not None:
+                self.ledger.unresolved[b].index_add_(0, idx, vals)
+                self.ledger.unresolved_abs[b].index_add_(0, idx, vals.abs())
+
+    def finish(self, rnd: Any) -> dict[str, float]:
+        """The round's extras; the session moves to the next round."""
+        self.last_round = rnd.r
+        sent, dense = self.counters["bytes_sent"], self.counters["bytes_dense"]
+        extra = {k: float(v) for k, v in self.counters.items()}
+        extra["bytes_sent"] = float(sent)
+        extra["bytes_dense"] = float(dense)
+        extra["compression_ratio"] = dense / sent if sent else 1.0
+        for k in ("index_mismatch", "missed_announcement", "sketch_only", "ef_unresolved"):
+            extra.setdefault(k, 0.0)
+        extra["ef_unresolved_total"] = float(self.totals["ef_unresolved"])
+        if self.accordion is not None:
+            crit = [self.accordion.critical_now(b) for b in range(len(rnd.plans))]
+            extra["accordion_critical"] = sum(crit) / max(1, len(crit))
+        self.totals.update({k: v for k, v in self.counters.items() if not k.startswith("bytes")})
+        self.src = []
+        return extra
+
+    def sent(self, frames: list[Any], copies: int, dense_payload: int) -> None:
+        """Count a data packet's bytes, and what float32 would have sent instead:
+        its payload in packets of the dense chunk size, each with this packet's
+        header and MAC bytes (the same fixed header format)."""
+        size = sum(len(f) for f in frames)
+        overhead = size - len(frames[1])
+        packets = max(1, -(-dense_payload // max(1, self.base_chunk)))
+        self.counters["bytes_sent"] += size * copies
+        self.counters["bytes_dense"] += (dense_payload + packets * overhead) * copies
+
+    # ------------------------------------------------------------------ chunks
+    def encode_rs(self, rnd: Any, owner: str, b: int, c: int) -> tuple[int, bytes]:
+        if self.family in ("topk", "dct"):
+            return sparse.encode_rs(self, rnd, owner, b, c)
+        off, n = rnd.plans[b].chunk(c)
+        return Z.QUANT, self._quant(self.src[b][off : off + n])
+
+    def decode_rs(
+        self, rnd: Any, src: str, b: int, c: int, z: int, payload: memoryview, w: float
+    ) -> Decoded:
+        try:
+            if self.family in ("topk", "dct"):
+                return sparse.decode_rs(self, rnd, src, b, c, z, payload, w)
+            if z != Z.QUANT:
+                raise Bad("compressed_kind")
+            return self._dequant(payload, rnd.plans[b].chunk(c)[1]), None
+        except Bad as bad:
+            self.counters[f"dropped_{bad}"] += 1  # in the round's report, by reason
+            return str(bad)
+
+    def encode_ag(
+        self, rnd: Any, b: int, c: int, values: torch.Tensor, counted: Callable[[str], bool]
+    ) -> tuple[int, bytes, torch.Tensor] | None:
+        if self.family in ("topk", "dct"):
+            return sparse.encode_ag(self, rnd, b, c, values, counted)
+        if self.param_mode:
+            return None  # parameters go dense: a rounded parameter would stay rounded
+        payload = self._quant(values)
+        return Z.QUANT, payload, self._dequant(memoryview(payload), values.numel())
+
+    def decode_ag(
+        self, rnd: Any, src: str, b: int, c: int, z: int, payload: memoryview
+    ) -> torch.Tensor | str:
+        try:
+            if self.family in ("topk", "dct"):
+                return sparse.decode_ag(self, rnd, src, b, c, z, payload)
+            if z != Z.QUANT:
+                raise Bad("compressed_kind")
+            return self._dequant(payload, rnd.plans[b].chunk(c)[1])
+        except Bad as bad:
+            self.counters[f"dropped_{bad}"] += 1  # in the round's report, by reason
+            return str(bad)
+
+    # ------------------------------------------------------------------ quantisers
+    def _quant(self, x: torch.Tensor) -> bytes:
+        x = x.detach().to("cpu", torch.float32)
+        if self.family == "int8":
+            scale, q = quantize_int8(x)
+            return join(_QUANT.pack(_QKIND["int8"], x.numel()), scale.reshape(1), q)
+        return join(_QUANT.pack(_QKIND[self.family], x.numel()), to_half(x, self.family))
+
+    def _dequant(self, payload: memoryview, count: int) -> torch.Tensor:
+        r = Reader(memoryview(payload).cast("B"))
+        kind, n = r.struct(_QUANT)
+        if kind != _QKIND.get(self.family) or n != count:
+            raise Bad("compressed_kind" if n == count else "compressed_count")
+        if self.family == "int8":
+            scale = r.values(1)
+            out = dequantize_int8(scale[0], r.tensor(torch.int8, n))
+        else:
+            out = from_half(r.tensor(HALF[self.family], n))
+            if not bool(torch.isfinite(out).all()):
+                raise Bad("non_finite")
+        r.done()
+        return out

@@ -1,0 +1,117 @@
+"""The state a compressor keeps across rounds for one layout: :class:`SessionState`.
+
+Split from :mod:`.session` (which adds the round's entry points) so that
+:mod:`.sparse`, whose functions read and update this state, needs no import of
+the session that calls it.  What each field holds is said where it is set.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gossipnet.collectives.compress.accordion import AccordionState
+from gossipnet.collectives.compress.spec import (
+    DCT,
+    Accordion,
+    ArcTopK,
+    Compression,
+    Int8,
+    Sparse,
+    density_of,
+)
+
+__all__ = ("Ledger", "SessionState")
+
+
+@dataclass
+class Ledger:
+    """Where every unit of gradient went (tests and benchmarks; off by default).
+
+    Sender side, per bucket: ``put_in`` (gradients given), ``confirmed`` (sent
+    and counted by an owner, or our own share), ``unresolved`` (sent, the
+    owner's answer never heard: assumed counted; ``unresolved_abs`` sums their
+    magnitudes, a bound on what may have been lost).  Owner side: ``counted[src]``,
+    what the owner added from ``src`` (its ground truth).  Conservation:
+    ``put_in == confirmed + e + pending + unresolved`` (plain EF, ``eta == 1``).
+    """
+
+    put_in: list[torch.Tensor] = field(default_factory=list)
+    confirmed: list[torch.Tensor] = field(default_factory=list)
+    unresolved: list[torch.Tensor] = field(default_factory=list)
+    unresolved_abs: list[torch.Tensor] = field(default_factory=list)
+    counted: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
+class SessionState:
+    """One compressor's state for one layout (see :mod:`.session`).
+
+    Args:
+        spec: a resolved ``compress=`` value (not None).
+    """
+
+    def __init__(self, spec: Compression) -> None:
+        self.spec = spec
+        self.accordion: AccordionState | None = None
+        sparse_spec: Sparse | None = None
+        if isinstance(spec, Accordion):
+            self.accordion = AccordionState(spec.interval, spec.threshold)
+            sparse_spec = spec.low
+        elif isinstance(spec, (ArcTopK, DCT)):
+            sparse_spec = spec
+        self.family = (
+            "topk" if isinstance(sparse_spec, ArcTopK)
+            else "dct" if isinstance(sparse_spec, DCT)
+            else "int8" if isinstance(spec, Int8)
+            else str(spec)
+        )  # fmt: skip
+        self.block = sparse_spec.block if isinstance(sparse_spec, ArcTopK) else 0
+        self.eta = sparse_spec.eta if isinstance(sparse_spec, ArcTopK) else 1.0
+        self.refresh_every = sparse_spec.refresh_every if isinstance(sparse_spec, DCT) else 1
+        self.e: list[torch.Tensor] = []
+        self.m: list[torch.Tensor] = []
+        self.u: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self.ann: dict[tuple[int, int], tuple[str, int, torch.Tensor]] = {}
+        self.force: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        self.bm_prev: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        self.pending: dict[tuple[int, int, int], tuple[str, int, torch.Tensor, torch.Tensor]] = {}
+        self.sk: dict[tuple[int, int], torch.Tensor] = {}
+        self.sk_w: dict[tuple[int, int], float] = {}  # weight of the sketches summed
+        # per bucket, this round: running count of our own whole-bucket sketch's top
+        # blocks, which shares the bucket's budget out over the chunks (.sparse._next_size)
+        self.hot: dict[int, torch.Tensor] = {}
+        self.tau2: dict[int, float] = {}  # per bucket, this round: our sketch's cut
+        self.valueless: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
+        self.got: dict[tuple[int, int, str], torch.Tensor] = {}
+        self.theta: list[float] = []
+        self.theta_keep: dict[int, float] = {}  # the density each bucket's theta is for
+        self.rounds = 0
+        self.last_round = -1
+        self._key: tuple[Any, ...] = ()
+        self.param_mode = False
+        self.base_chunk = 64 * 1024  # bytes of a dense chunk (the round's base size)
+        self.weight = 1.0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.totals: collections.Counter[str] = collections.Counter()
+        self.ledger: Ledger | None = None
+
+    # ------------------------------------------------------------------ sizing
+    def density(self, b: int) -> float:
+        """The density in force for bucket ``b`` (Accordion: by its decision)."""
+        spec = self.spec
+        if isinstance(spec, Accordion):
+            crit = self.accordion is None or self.accordion.critical_now(b)
+            return density_of(spec.low if crit else spec.high)
+        if isinstance(spec, (ArcTopK, DCT)):
+            return density_of(spec)
+        return 1.0
+
+    def max_density(self) -> float:
+        spec = self.spec
+        if isinstance(spec, Accordion):
+            return density_of(spec.low)
+        return density_of(spec) if isinstance(spec, (ArcTopK, DCT)) else 1.0

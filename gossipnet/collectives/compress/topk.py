@@ -1,0 +1,84 @@
+"""ARC-Top-K's pure functions: block sketches, set selection, values at a set.
+
+An index set is a sorted tensor of *block* ids: block ``k`` of a chunk is its
+elements ``[k * B, min((k + 1) * B, n))``.  Why blocks: the set travels in the
+owner's broadcast (4 bytes per block, not per element) and the sketch that
+chooses it is one number per block, so both cost ``1/B`` of the chunk; the
+values then go without indices.  Choosing the blocks of largest norm keeps at
+least ``k / m`` of the energy of ``m`` blocks, so ``C(x)`` (``x`` at the set of its
+own top blocks) is contractive: ``||x - C(x)||^2 <= (1 - k/m) ||x||^2``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = (
+    "block_count",
+    "block_indices",
+    "bootstrap_blocks",
+    "choose_blocks",
+    "compress_at",
+    "nblocks_for",
+    "sketch",
+)
+
+
+def block_count(n: int, block: int) -> int:
+    """Blocks of ``block`` elements in a chunk of ``n`` (the last may be short)."""
+    return -(-n // block)
+
+
+def nblocks_for(n: int, block: int, density: float) -> int:
+    """Blocks to send for ``density`` of ``n`` elements: at least one, at most all."""
+    m = block_count(n, block)
+    return max(1, min(m, round(density * n / block + 0.4999)))
+
+
+def sketch(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-block L2 norms of ``x`` (float32, one per block)."""
+    n = x.numel()
+    m = block_count(n, block)
+    pad = m * block - n
+    sq = x.to(torch.float32).square()
+    if pad:
+        sq = torch.nn.functional.pad(sq, (0, pad))
+    return sq.view(m, block).sum(dim=1).sqrt_()
+
+
+def choose_blocks(energy: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` blocks of largest ``energy``, sorted ascending (int64).
+
+    Ties break by the lower block id (a stable sort), so every peer that sums
+    the same sketches picks the same set.
+    """
+    k = max(0, min(k, energy.numel()))
+    order = torch.sort(energy, descending=True, stable=True).indices[:k]
+    return torch.sort(order).values
+
+
+def bootstrap_blocks(round_id: int, bucket: int, chunk: int, m: int, k: int) -> torch.Tensor:
+    """The deterministic set of a chunk without an announced one (round 0, a new
+    owner): ``k`` of ``m`` blocks drawn from a seed every peer derives from
+    ``(round, bucket, chunk)``, so all peers use the same set with no message."""
+    seed = int.from_bytes(
+        hashlib.blake2b(f"{round_id}:{bucket}:{chunk}".encode(), digest_size=8).digest(), "little"
+    )
+    gen = torch.Generator().manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+    return torch.sort(torch.randperm(m, generator=gen)[: max(1, min(k, m))]).values
+
+
+def block_indices(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """Element indices of ``blocks`` in a chunk of ``n`` (int64, ascending)."""
+    idx = blocks.to(torch.int64)[:, None] * block + torch.arange(block, device=blocks.device)
+    idx = idx.flatten()
+    return idx[idx < n]
+
+
+def compress_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``C(x)`` as a dense tensor: ``x`` at ``idx``, zero elsewhere."""
+    out = torch.zeros_like(x)
+    out[idx] = x[idx]
+    return out

@@ -1,0 +1,65 @@
+"""The compressors' pure functions on CUDA tensors give the CPU path's results,
+and a compressed ``net.all_reduce`` of CUDA tensors works.  Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gossipnet
+from gossipnet.collectives.compress import dct, quant, topk
+from gossipnet.testing import run_peers
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def _x(n: int = 10_000) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 3
+
+
+def test_quantisers_match_cpu() -> None:
+    x = _x()
+    s_cpu, q_cpu = quant.quantize_int8(x)
+    s_gpu, q_gpu = quant.quantize_int8(x.cuda())
+    assert q_gpu.is_cuda
+    torch.testing.assert_close(s_gpu.cpu(), s_cpu)
+    assert (q_gpu.cpu().int() - q_cpu.int()).abs().max() <= 1  # rounding at exact halves
+    zs, zq = quant.quantize_int8(torch.zeros(64, device="cuda"))
+    assert float(zs) == 0.0
+    assert bool((quant.dequantize_int8(zs, zq) == 0).all())
+    for name in ("bf16", "fp16"):
+        torch.testing.assert_close(quant.to_half(x.cuda(), name).cpu(), quant.to_half(x, name))
+
+
+def test_topk_and_dct_match_cpu() -> None:
+    x = _x()
+    sk_cpu, sk_gpu = topk.sketch(x, 16), topk.sketch(x.cuda(), 16)
+    torch.testing.assert_close(sk_gpu.cpu(), sk_cpu, rtol=1e-5, atol=1e-6)
+    k = topk.nblocks_for(x.numel(), 16, 0.01)
+    blocks = topk.choose_blocks(sk_cpu**2, k)
+    assert torch.equal(topk.choose_blocks(sk_gpu**2, k).cpu(), blocks)
+    idx_gpu = topk.block_indices(blocks.cuda(), 16, x.numel())
+    assert torch.equal(idx_gpu.cpu(), topk.block_indices(blocks, 16, x.numel()))
+    assert torch.equal(
+        topk.compress_at(x.cuda(), idx_gpu).cpu(), topk.compress_at(x, idx_gpu.cpu())
+    )
+    theta = dct.threshold(x, 0.01)
+    assert dct.threshold(x.cuda(), 0.01) == pytest.approx(theta, rel=1e-5)
+    assert torch.equal(dct.select(x.cuda(), theta, 200).cpu(), dct.select(x, theta, 200))
+
+
+def test_compressed_all_reduce_of_cuda_tensors() -> None:
+    def body(rank: int, peer: gossipnet.Peer) -> torch.Tensor:
+        t = torch.full((50_000,), float(rank + 1), device="cuda")
+        rep = peer.all_reduce([t], compress="bf16")
+        assert rep.extra["compression_ratio"] > 1.5
+        assert t.is_cuda
+        return t.cpu()
+
+    out = run_peers(2, body, timeout_s=60)
+    for t in out:
+        torch.testing.assert_close(t, torch.full((50_000,), 1.5))

@@ -1,0 +1,290 @@
+"""The compressors' pure functions and the checks on compressed payloads.
+
+No network: value types and their errors, the quantisers' edge cases (an
+all-zero chunk, inf/NaN), ARC-Top-K's contractiveness and deterministic sets,
+DCT's cap, Accordion's rule, and forged payloads fed to a round's decoders,
+each a counted drop, never an exception.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+import gossipnet
+from gossipnet import DCT, Accordion, ArcTopK, ConfigError, Int8
+from gossipnet.clock import FakeClock
+from gossipnet.collectives.compress import CompressSession, accordion, dct, quant, topk
+from gossipnet.collectives.compress.payload import NONE, Z, bitmap, in_bitmap
+from gossipnet.collectives.compress.spec import resolve
+from gossipnet.collectives.lossy import gather, scatter
+from gossipnet.collectives.lossy.round import Round
+from gossipnet.transport.wire import Packet
+
+IDS = ("p0", "p1", "p2", "p3")
+
+
+# --------------------------------------------------------------------------- values
+def test_exported_and_validated() -> None:
+    assert gossipnet.ArcTopK is ArcTopK
+    assert gossipnet.Int8 is Int8
+    assert resolve(None) is None
+    assert resolve("none") is None
+    assert resolve("bf16") == "bf16"
+    for bad, words in [
+        ("int4", "'bf16', 'fp16'"),
+        (3, "gossipnet.ArcTopK"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            resolve(bad)
+    with pytest.raises(ConfigError, match=r"\(0, 1\]"):
+        ArcTopK(density=0.0)
+    with pytest.raises(ConfigError, match="power of two"):
+        ArcTopK(block=12)
+    with pytest.raises(ConfigError, match="not both"):
+        DCT(density=0.1, quantile=0.9)
+    with pytest.raises(ConfigError, match=r"\[0, 1\)"):
+        DCT(quantile=1.0)
+    with pytest.raises(ConfigError, match="same family"):
+        Accordion(low=ArcTopK(density=0.1), high=DCT(density=0.01))
+    with pytest.raises(ConfigError, match="lighter"):
+        Accordion(low=ArcTopK(density=0.01), high=ArcTopK(density=0.1))
+    with pytest.raises(ConfigError, match=r"ArcTopK or gossipnet\.DCT"):
+        Accordion(low="bf16", high="bf16")  # type: ignore[arg-type]
+    assert DCT(quantile=0.99).keep == pytest.approx(0.01)
+
+
+# --------------------------------------------------------------------------- quantisers
+def test_int8_error_bound_zero_chunk_and_non_finite() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 5
+    scale, q = quant.quantize_int8(x)
+    assert (quant.dequantize_int8(scale, q) - x).abs().max() <= scale / 2 + 1e-6
+    zs, zq = quant.quantize_int8(torch.zeros(64))
+    assert float(zs) == 0.0
+    assert torch.equal(quant.dequantize_int8(zs, zq), torch.zeros(64))
+    for poison in (float("inf"), float("nan")):
+        y = x.clone()
+        y[3] = poison
+        s, _ = quant.quantize_int8(y)
+        assert not torch.isfinite(s)  # the receiver drops it as non_finite (below)
+    assert float(quant.to_half(torch.tensor([1e6]), "fp16")[0]) == 65504.0  # saturates
+
+
+# --------------------------------------------------------------------------- ARC-Top-K
+def test_topk_of_own_sketch_is_contractive() -> None:
+    """||x - C(x)||^2 <= (1 - k/m) ||x||^2 for C = x at its own k top blocks."""
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(50):
+        n, block = 1000 + trial, 16
+        x = torch.randn(n, generator=gen) * torch.rand(n, generator=gen) ** 4
+        m = topk.block_count(n, block)
+        k = topk.nblocks_for(n, block, 0.05)
+        idx = topk.block_indices(topk.choose_blocks(topk.sketch(x, block) ** 2, k), block, n)
+        cx = topk.compress_at(x, idx)
+        assert float((x - cx).square().sum()) <= (1 - k / m) * float(x.square().sum()) + 1e-4
+
+
+def test_topk_sets_are_deterministic() -> None:
+    energy = torch.tensor([1.0, 3.0, 3.0, 0.5, 2.0])
+    assert topk.choose_blocks(energy, 3).tolist() == [1, 2, 4]  # ties: lower id first
+    a = topk.bootstrap_blocks(7, 0, 3, 100, 5)
+    assert torch.equal(a, topk.bootstrap_blocks(7, 0, 3, 100, 5))
+    assert not torch.equal(a, topk.bootstrap_blocks(8, 0, 3, 100, 5))
+    assert topk.block_indices(torch.tensor([0, 2]), 4, 10).tolist() == [0, 1, 2, 3, 8, 9]
+
+
+def test_dct_threshold_and_cap() -> None:
+    u = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
+    theta = dct.threshold(u, 0.01)
+    assert 80 <= dct.select(u, theta, 10_000).numel() <= 120
+    capped = dct.select(u, theta, 20)
+    assert capped.numel() == 20
+    assert bool((capped[1:] > capped[:-1]).all())
+    assert float(u.abs()[capped].min()) >= float(u.abs().topk(20).values.min())
+
+
+def test_accordion_rule() -> None:
+    assert accordion.critical(None, 1.0, 0.5)
+    assert accordion.critical(2.0, 0.9, 0.5)
+    assert not accordion.critical(2.0, 1.5, 0.5)
+    st = accordion.AccordionState(interval=2, threshold=0.5)
+    seen = []
+    for g in (1.0, 1.0, 1.0, 1.0, 5.0, 5.0):
+        st.observe(0, torch.full((4,), g))
+        seen.append(st.critical_now(0))
+    # first interval critical; then 2 -> 2 (calm); then 2 -> 10 (a jump: critical)
+    assert seen == [True, True, True, False, False, True]
+    assert st.switches == 2
+
+
+def test_bitmap_round_trip() -> None:
+    flags = torch.tensor([True, False, True, True, False, False, False, False, True])
+    bits = bitmap(flags)
+    assert bits.numel() == 2
+    assert [in_bitmap(bits, i) for i in range(9)] == flags.tolist()
+
+
+# --------------------------------------------------------------------------- forged payloads
+class _Ctx:
+    """The part of a PhaseContext the decoders touch."""
+
+    def __init__(self) -> None:
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.node = type("N", (), {"clock": FakeClock()})()
+
+    def note_after_end(self, rnd: Any, pkt: Any) -> None:
+        pass
+
+    def spans(self, phase: str) -> collections.deque[float]:
+        return collections.deque()
+
+
+def _round(spec: Any, me: str = "p0") -> Round:
+    src = [torch.randn(4096, generator=torch.Generator().manual_seed(3))]
+    rnd = Round(5, me, IDS, src, [t.clone() for t in src], 1.0, [1024])
+    sess = CompressSession(spec)
+    rnd.codec = sess
+    sess.begin(rnd, False)
+    return rnd
+
+
+def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Packet:
+    fields = {"r": 5, "m": 0, "L": 0, "b": b, "c": c, "dt": "u8", "n": len(payload), "z": z, "w": w}
+    return Packet(src, 1, 1, 16, fields, memoryview(payload))
+
+
+@pytest.mark.parametrize(
+    ("spec", "z", "payload", "reason"),
+    [
+        (
+            Int8(),
+            Z.QUANT,
+            struct.pack("<BI", 2, 256) + struct.pack("<f", float("nan")) + bytes(256),
+            "non_finite",
+        ),
+        (Int8(), Z.QUANT, struct.pack("<BI", 2, 255) + bytes(259), "compressed_count"),
+        ("bf16", Z.QUANT, struct.pack("<BI", 0, 256) + bytes(100), "compressed_count"),
+        ("bf16", Z.TOPK_RS, bytes(20), "compressed_kind"),
+        (
+            DCT(density=0.05),
+            Z.DCT_RS,
+            struct.pack("<I", 1) + struct.pack("<I", 99999) + bytes(4),
+            "compressed_index",
+        ),
+        (
+            DCT(density=0.05),
+            Z.DCT_RS,
+            struct.pack("<I", 2) + struct.pack("<II", 5, 3) + bytes(8),
+            "compressed_index",
+        ),
+        (DCT(density=0.05), Z.DCT_RS, struct.pack("<I", 3) + bytes(8), "compressed_count"),
+        (
+            ArcTopK(density=0.05),
+            Z.TOPK_RS,
+            struct.pack("<QII", NONE, 1, 0) + bytes(2),
+            "compressed_count",
+        ),
+        (ArcTopK(density=0.05), Z.TOPK_RS, b"\x01", "compressed_short"),
+        (
+            ArcTopK(density=0.05),
+            Z.TOPK_RS,
+            struct.pack("<QIII", NONE, 1, 0, 10**6) + bytes(2),
+            "compressed_index",
+        ),
+        (
+            ArcTopK(density=0.05),
+            Z.TOPK_RS,
+            struct.pack("<QIII", NONE, 1, 0, 0) + struct.pack("<H", 0xFFC0),  # bf16 NaN
+            "non_finite",
+        ),
+    ],
+    ids=[
+        "nan-scale",
+        "int8-count",
+        "bf16-short",
+        "wrong-kind",
+        "index-beyond",
+        "unsorted",
+        "dct-count",
+        "sketch-count",
+        "short",
+        "proposal-beyond",
+        "nan-sketch",
+    ],
+)
+def test_forged_contribution_is_a_counted_drop(
+    spec: Any, z: int, payload: bytes, reason: str
+) -> None:
+    rnd = _round(spec, me="p0")
+    ctx = _Ctx()
+    c = rnd.owned[0].start
+    assert scatter.rs_part(ctx, rnd, _pkt("p1", 0, c, z, payload)) is None  # type: ignore[arg-type]
+    assert ctx.dropped[reason] == 1, ctx.dropped
+    codec = rnd.codec
+    assert isinstance(codec, CompressSession)
+    assert codec.counters[f"dropped_{reason}"] == 1  # the round's report says so
+
+
+def test_forged_chunk_fields_and_dense_packets_are_counted() -> None:
+    rnd = _round(ArcTopK(density=0.05), me="p0")
+    ctx = _Ctx()
+    c = rnd.owned[0].start
+    other = rnd.maps[0].chunks_of("p1").start
+    for pkt in (
+        _pkt("p1", 3, c, Z.TOPK_RS, b""),  # no such bucket
+        _pkt("p1", 0, 10**6, Z.TOPK_RS, b""),  # no such chunk
+        _pkt("p1", 0, other, Z.TOPK_RS, b""),  # not ours
+    ):
+        assert scatter.rs_part(ctx, rnd, pkt) is None  # type: ignore[arg-type]
+    dense = Packet(
+        "p1",
+        1,
+        2,
+        16,
+        {"r": 5, "m": 0, "L": 0, "b": 0, "c": c, "dt": "f32", "n": 4, "w": 1.0},
+        memoryview(bytes(16)),
+    )
+    assert scatter.rs_part(ctx, rnd, dense) is None  # type: ignore[arg-type]
+    assert ctx.dropped == {"bad_chunk": 2, "not_owner": 1, "compressed_kind": 1}
+
+
+def test_forged_broadcasts_are_counted_drops() -> None:
+    rnd = _round(ArcTopK(density=0.05), me="p0")
+    rnd.sending = False
+    ctx = _Ctx()
+    c = rnd.maps[0].chunks_of("p1").start
+    head = struct.Struct("<QQHIIIB")
+    bad_set = head.pack(5, NONE, 4, 1, 0, 0, 0) + bytes(2) + struct.pack("<I", 10**6)
+    wrong_parts = head.pack(5, NONE, 9, 0, 0, 0, 0) + bytes(4)
+    nan_vals = (
+        head.pack(5, NONE, 4, 1, 0, 1, 1)
+        + bytes(2)
+        + struct.pack("<I", 0)
+        + struct.pack("<f", float("nan"))
+    )
+    for payload in (bad_set, wrong_parts, nan_vals):
+        gather.on_ag(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_AG, payload))  # type: ignore[arg-type]
+    assert ctx.dropped == {"compressed_index": 1, "compressed_count": 1, "non_finite": 1}
+    assert not rnd.got_np[0][c]  # nothing written
+
+
+def test_values_at_another_set_arrive_with_weight_zero_and_are_counted() -> None:
+    """A tag other than the set in force: the packet counts as arrived (its sender is
+    complete) with weight 0 and no values, and ``index_mismatch`` counts it."""
+    rnd = _round(ArcTopK(density=0.05), me="p0")
+    ctx = _Ctx()
+    c = rnd.owned[0].start
+    payload = struct.pack("<QII", 77, 0, 3) + struct.pack("<3f", 1.0, 2.0, 3.0)
+    part = scatter.rs_part(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_RS, payload))  # type: ignore[arg-type]
+    assert part is not None
+    _, _, _, values, weight, _ = part
+    assert weight == 0.0
+    assert not bool(values.any())
+    codec = rnd.codec
+    assert isinstance(codec, CompressSession)
+    assert codec.counters["index_mismatch"] == 1
+    assert "p1" in codec.valueless[(0, c)]  # its bitmap bit will say "not counted"
