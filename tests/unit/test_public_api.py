@@ -38,6 +38,7 @@ def test_all_is_pinned() -> None:
         "ReplicaCheck",
         "Route",
         "RouteOptions",
+        "SparQ",
         "TauPolicy",
         "__version__",
         "join",
