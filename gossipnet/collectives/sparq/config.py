@@ -37,7 +37,7 @@ class SparQ:
     """
 
     density: float = 0.05
-    gamma: float = 0.5
+    gamma: float = 0.1
     threshold_c0: float = 0.0
     threshold_eps: float = 0.5
     history: int = 16

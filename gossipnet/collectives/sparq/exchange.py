@@ -87,6 +87,7 @@ class SparqExchange:
         #: resync work: gaps seen, NACKs sent/answered, blocks replayed/refreshed
         self.resync: collections.Counter[str] = collections.Counter()
         self.bytes_sent = 0  # every SparQ packet this exchange sent, frames included
+        self._epochs: dict[str, int] = {}  # the wire epoch of each copy's sender
         self._wake = asyncio.Event()
         handlers = {
             SparqKind.DELTA: self._on_delta,
@@ -195,10 +196,16 @@ class SparqExchange:
         return True
 
     # ------------------------------------------------------------------ receiving
-    def _copy_of(self, src: str) -> HeldEstimate:
-        held = self.held.get(src)
-        if held is None:
+    def _copy_of(self, pkt: Packet) -> HeldEstimate:
+        """Our copy of ``pkt.src``'s estimate; a fresh one if the sender restarted
+        (a new wire epoch: its versions began again at 0, ours would never match)."""
+        held, src = self.held.get(pkt.src), pkt.src
+        if held is None or self._epochs.get(src) != pkt.epoch:
+            if held is not None:
+                self.resync["restarts"] += 1
+                self.ends.pop(src, None)
             held = self.held[src] = HeldEstimate(self.layout)
+            self._epochs[src] = pkt.epoch
         return held
 
     def _on_delta(self, pkt: Packet) -> None:
@@ -206,7 +213,7 @@ class SparqExchange:
         if parsed is None:
             self.drops["delta"] += 1
             return
-        outcome = self._copy_of(pkt.src).apply_delta(*parsed)
+        outcome = self._copy_of(pkt).apply_delta(*parsed)
         if outcome != "applied":
             self.resync[outcome] += 1
         self._wake.set()
@@ -216,7 +223,7 @@ class SparqExchange:
         if parsed is None:
             self.drops["refresh"] += 1
             return
-        if self._copy_of(pkt.src).apply_refresh(*parsed):
+        if self._copy_of(pkt).apply_refresh(*parsed):
             self.resync["blocks_refreshed_in"] += 1
         self._wake.set()
 
@@ -226,12 +233,12 @@ class SparqExchange:
             self.drops["end"] += 1
             return
         rnd, _, versions = parsed
+        held = self._copy_of(pkt)
         if rnd < self.ends.get(pkt.src, (-1,))[0]:
             self.drops["end_old"] += 1  # an END overtaken by a later one: nothing new
             return
         first = rnd > self.ends.get(pkt.src, (-1,))[0]
         self.ends[pkt.src] = (rnd, versions)
-        held = self._copy_of(pkt.src)
         behind = held.behind(versions)
         if first and behind.size:  # ask once per round (the second END is a copy)
             self.resync["nacks_sent"] += 1
