@@ -20,7 +20,9 @@ Packets (fields are msgpack header fields; payloads little-endian):
   the sender's version of every block (u32 each), from which a receiver sees gaps.
 - NACK ``{r}``: payload ``(block:u32, held version:i32) * m``: blocks to repair.
 
-Every parser returns None for a malformed or out-of-range packet; callers count it.
+Every packet is authenticated by the wire codec like any other and carries all it
+needs to be applied alone (block, version, scale, offsets or segment); every parser
+returns None for a malformed or out-of-range packet, which callers count as a drop.
 """
 
 from __future__ import annotations
