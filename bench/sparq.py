@@ -7,7 +7,8 @@ differences.  This bench trains the demo's character-level transformer
 on N in-memory peers (``gossipnet.testing.run_peers``: one event-loop thread per
 peer, ``MemoryNetwork``, seeded ``FaultPlan`` loss on every link) with
 ``strategy="moshpit"`` dense and with ``compress=gossipnet.SparQ(...)``, same
-model, data and fault seeds, at 0% and 10% packet loss, and reports:
+model, data and fault seeds, at 0% and 10% packet loss (``--strategy route``: the
+same with route gossip between four vehicles parked 30 m apart), and reports:
 
 - bytes: every byte the peers' transports sent from the first training step to
   the last (heartbeats, matchmaking, state downloads, repairs: all traffic), summed
@@ -18,6 +19,7 @@ model, data and fault seeds, at 0% and 10% packet loss, and reports:
 
     .venv/bin/python bench/sparq.py --quick         # 2 seeds x {0, 10%} x 2, ~1-2 min
     .venv/bin/python bench/sparq.py --seeds 5 --rerun   # the rows docs/benchmarks.md reports
+    .venv/bin/python bench/sparq.py --strategy route    # route gossip, 4 parked vehicles
 
 ``--rerun`` trains dense a second time per seed: the same seeds do not give the same
 final loss twice (the group all-reduce adds in arrival order, and 300 steps of AdamW
@@ -36,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,7 +62,9 @@ from gossipnet.testing import run_peers
 NET = {"collective_timeout_s": 2.0, "handle_sigterm": False}
 
 
-def train_row(cfg: DemoConfig, sparq: gossipnet.SparQ | None, average_every: int) -> dict[str, Any]:
+def train_row(
+    cfg: DemoConfig, sparq: gossipnet.SparQ | None, average_every: int, strategy: str = "moshpit"
+) -> dict[str, Any]:
     """One run: N peers train ``cfg.steps`` steps; bytes, losses, SparQ counters."""
     train, held = load_corpus(cfg.corpus_bytes)
     held_out = eval_windows(held, cfg.eval_windows, cfg.context)
@@ -71,10 +76,14 @@ def train_row(cfg: DemoConfig, sparq: gossipnet.SparQ | None, average_every: int
         torch.manual_seed(cfg.model_seed)
         model = CharLM(cfg)
         base = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-        kw: dict[str, Any] = {"average_every": average_every, "sync_state": False}
+        kw: dict[str, Any] = {"average_every": average_every}
+        if strategy == "moshpit":
+            kw["sync_state"] = False
+        else:  # parked 30 m apart on a line: every pair in radio range
+            net.set_route(gossipnet.Route(np.array([0.0]), np.array([[30.0 * rank, 0.0]])))
         if sparq is not None:
             kw["compress"] = sparq
-        opt = net.optimizer(base, strategy="moshpit", **kw)
+        opt = net.optimizer(base, strategy=strategy, **kw)
         net.wait_for_peers(cfg.peers, 30.0)
         sent0 = net.stats()["transport"]["sent_bytes"]
         counted, triggered, syncs = 0.0, 0, 0
@@ -145,6 +154,7 @@ def main() -> None:
     parser.add_argument("--gamma", type=float, default=0.1)
     parser.add_argument("--c0", type=float, default=0.0, help="SparQ.threshold_c0")
     parser.add_argument("--losses", default="0,0.1")
+    parser.add_argument("--strategy", choices=("moshpit", "route"), default="moshpit")
     parser.add_argument(
         "--rerun", action="store_true",
         help="run dense twice per seed: the run-to-run change of dense itself (noise floor)",
@@ -165,7 +175,7 @@ def main() -> None:
             if args.rerun:
                 variants.append(("dense2", None))
             for variant, comp in variants:
-                row = train_row(cfg, comp, args.average_every)
+                row = train_row(cfg, comp, args.average_every, args.strategy)
                 row.update(variant=variant, loss=loss, seed=seed)
                 runs.append(row)
                 print(

@@ -139,8 +139,7 @@ class SparqExchange:
         for _ in range(2):
             self._send(peers, SparqKind.END, end, codec.end_payload(self.own.versions))
         timed_out = not await self._wait(lambda: self._ended(peers, rnd), timeout_s)
-        if self.settings.repair_wait_s > 0:
-            await self._wait(lambda: self._current(peers), self.settings.repair_wait_s)
+        await self._await_repairs(peers, rnd)
         mix = torch.zeros(self.layout.numel, dtype=torch.float32)
         mixed, stale = [], []
         for p in peers:
@@ -164,6 +163,32 @@ class SparqExchange:
             counters={**{f"drop_{k}": float(v) for k, v in self.drops.items()},
                       **{f"resync_{k}": float(v) for k, v in self.resync.items()}},
         )  # fmt: skip
+
+    async def _await_repairs(self, peers: Sequence[str], rnd: int) -> None:
+        """Wait up to ``repair_wait_s`` for our copies to match the neighbours' ENDs,
+        asking again every ``Config.control_retry_s`` (a NACK or a repair can be lost
+        too; a duplicate answer is dropped by version)."""
+        clock = self.node.clock
+        deadline = clock.now() + self.settings.repair_wait_s
+        retry = self.node.config.control_retry_s
+        heard = [p for p in peers if self.ends.get(p, (-1,))[0] >= rnd]
+        while not self._current(heard):
+            left = deadline - clock.now()
+            if left <= 0 or await self._wait(lambda: self._current(heard), min(retry, left)):
+                return
+            for p in heard:
+                self._nack(p, rnd, retry=True)
+
+    def _nack(self, src: str, rnd: int, *, retry: bool = False) -> None:
+        """Ask ``src`` for the blocks our copy lacks against its latest END."""
+        end, held = self.ends.get(src), self.held.get(src)
+        if end is None or held is None:
+            return
+        behind = held.behind(end[1])
+        if behind.size:
+            self.resync["nacks_resent" if retry else "nacks_sent"] += 1
+            payload = codec.nack_payload(behind, held.versions[behind])
+            self._send([src], SparqKind.NACK, {"r": rnd}, payload)
 
     def _ended(self, peers: Sequence[str], rnd: int) -> bool:
         return all(self.ends.get(p, (-1,))[0] >= rnd for p in peers)
@@ -233,17 +258,14 @@ class SparqExchange:
             self.drops["end"] += 1
             return
         rnd, _, versions = parsed
-        held = self._copy_of(pkt)
+        self._copy_of(pkt)  # a restarted sender: a fresh copy
         if rnd < self.ends.get(pkt.src, (-1,))[0]:
             self.drops["end_old"] += 1  # an END overtaken by a later one: nothing new
             return
         first = rnd > self.ends.get(pkt.src, (-1,))[0]
         self.ends[pkt.src] = (rnd, versions)
-        behind = held.behind(versions)
-        if first and behind.size:  # ask once per round (the second END is a copy)
-            self.resync["nacks_sent"] += 1
-            payload = codec.nack_payload(behind, held.versions[behind])
-            self._send([pkt.src], SparqKind.NACK, {"r": rnd}, payload)
+        if first:  # ask once per END (the second copy); the round's wait asks again
+            self._nack(pkt.src, rnd)
         self._wake.set()
 
     def _on_nack(self, pkt: Packet) -> None:
