@@ -96,6 +96,20 @@ class SparqGossip:
             return SparqExchange(host.node, self.layout, settings, x0)
 
         self.exchange: SparqExchange = host.call(make())
+        self._introduce(x0)
+
+    def _introduce(self, x0: torch.Tensor) -> None:
+        """Round -1 with every alive peer, weight 0: they get our estimate (an exact
+        refresh of x0) and we get theirs before anyone moves.  Why before: a copy
+        first made in round 0 could be refreshed from an estimate its sender already
+        moved on, and so differ by timing; peers that build their optimizer later
+        are refreshed on first contact instead."""
+        ex, me = self.exchange, self.host.peer_id
+        others = {p: 0.0 for p in self.host.alive_peers() if p != me}
+        coro = ex.round(-1, x0, others, trigger=False, timeout_s=self.timeout_s)
+        self.host.call(
+            coro, self.timeout_s + self.settings.repair_wait_s + 60
+        )  # bytes: in the first report
 
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).to("cpu", torch.float32) for p in self.params])

@@ -227,12 +227,15 @@ def test_forged_or_malformed_packets_parse_to_none() -> None:
     )
     assert codec.parse_refresh({**good, "o": layout.block}, vals, layout) is None
     # END: another vector's layout, a short version list; NACK: blocks out of range
-    end = {"r": 3, "t": 1, "d": layout.numel}
+    end = {"r": 3, "t": 1, "h": 2, "d": layout.numel}
     versions = codec.end_payload(np.zeros(layout.nblocks, np.int64))
     assert codec.parse_end(end, versions, layout) is not None
     assert codec.parse_end({**end, "d": layout.numel + 1}, versions, layout) is None
     assert codec.parse_end(end, versions[:-4], layout) is None
     assert codec.parse_end({**end, "t": 2}, versions, layout) is None
+    assert codec.parse_end({**end, "h": -3}, versions, layout) is None
+    assert codec.parse_end({**end, "r": -2}, versions, layout) is None
+    assert codec.parse_end({k: v for k, v in end.items() if k != "h"}, versions, layout) is None
     assert codec.parse_nack(codec.nack_payload(np.array([0]), np.array([-1])), layout) == [(0, -1)]
     assert (
         codec.parse_nack(codec.nack_payload(np.array([layout.nblocks]), np.array([0])), layout)

@@ -16,8 +16,9 @@ Packets (fields are msgpack header fields; payloads little-endian):
   ``n`` values; payload ``scale:f32 | offsets:u16 * n | values:i8 * n``.
 - REFRESH ``{b, u, o, n}``: the exact values (f32 * n) of block ``b`` at version ``u``
   from offset ``o``; a block's refresh is its segments, each a packet.
-- END ``{r, t, d}``: the sender's round ``r`` is sent (``t``: it triggered); payload:
-  the sender's version of every block (u32 each), from which a receiver sees gaps.
+- END ``{r, t, h, d}``: the sender's round ``r`` is sent (``t``: it triggered; ``h``: the
+  latest round of the receiver's END it holds, so a receiver sees it was not heard);
+  payload: the sender's version of every block (u32 each), from which it sees gaps.
 - NACK ``{r}``: payload ``(block:u32, held version:i32) * m``: blocks to repair.
 
 Every packet is authenticated by the wire codec like any other and carries all it
@@ -222,14 +223,20 @@ def end_payload(versions: np.ndarray) -> bytes:
 
 def parse_end(
     fields: dict[str, Any], payload: memoryview | bytes, layout: Layout
-) -> tuple[int, bool, np.ndarray] | None:
-    """``(round, triggered, the sender's block versions)``; None if malformed."""
-    r = _int(fields, "r", 0, 2**62)
+) -> tuple[int, bool, int, np.ndarray] | None:
+    """``(round, triggered, heard, the sender's block versions)``; None if malformed.
+
+    ``heard``: the latest round of *our* END the sender holds (-2: none).
+    """
+    r = _int(fields, "r", -1, 2**62)  # -1: the introduction (see the exchange)
     t = _int(fields, "t", 0, 2)
+    h = _int(fields, "h", -2, 2**62)
     d = fields.get("d")
-    if r is None or t is None or d != layout.numel or len(payload) != 4 * layout.nblocks:
+    if r is None or t is None or h is None or d != layout.numel:
         return None
-    return r, bool(t), np.frombuffer(payload, dtype="<u4").astype(np.int64)
+    if len(payload) != 4 * layout.nblocks:
+        return None
+    return r, bool(t), h, np.frombuffer(payload, dtype="<u4").astype(np.int64)
 
 
 def nack_payload(blocks: np.ndarray, held: np.ndarray) -> bytes:

@@ -59,8 +59,12 @@ class OwnEstimate:
         self._history[b].append((u, (fields, payload)))
         self.versions[b] = u + 1
 
-    def repair(self, b: int, held: int) -> tuple[str, list[Packet]]:
+    def repair(self, b: int, held: int, upto_round: int | None = None) -> tuple[str, list[Packet]]:
         """What brings a holder's block ``b`` from version ``held`` (-1: none) to ours.
+
+        ``upto_round``: replay only DELTAs of rounds up to it (the round whose END the
+        holder compared with): a newer DELTA is on its way already, and sent now it
+        would enter the holder's mix of that round early.
 
         Returns:
             ``("replay", DELTAs)`` if our history reaches back to ``held``,
@@ -71,7 +75,10 @@ class OwnEstimate:
             return "none", []
         kept = {u: pkt for u, pkt in self._history[b]}
         if 0 <= held < now and all(u in kept for u in range(held, now)):
-            return "replay", [kept[u] for u in range(held, now)]
+            pkts = [kept[u] for u in range(held, now)]
+            if upto_round is not None:
+                pkts = [p for p in pkts if p[0]["r"] <= upto_round]
+            return ("replay", pkts) if pkts else ("none", [])
         return "refresh", refresh_packets(self.vec, self.layout, b, now)
 
 

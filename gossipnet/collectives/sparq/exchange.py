@@ -5,14 +5,18 @@ round (:meth:`SparqExchange.round`):
 
 1. if the caller's event trigger fired, compress ``x - x_hat_i`` (:mod:`.codec`), add
    it to our own estimate and send its DELTAs to this round's neighbours;
-2. send END (twice: it is small and a lost END would cost a whole timeout) with our
-   version of every block, triggered or not;
-3. wait for every neighbour's END of this round (deadline: ``timeout_s``); a holder
+2. send END (twice: it is small) with our version of every block, triggered or not,
+   and the latest round of the receiver's END we hold;
+3. wait for every neighbour's END of this round (deadline: ``timeout_s``), sending
+   ours again every ``control_retry_s`` to those not heard, and at once to one whose
+   END says it lacks ours (it was lost, or arrived before it listened); a holder
    whose copy differs from an END's versions asks for those blocks (NACK); the
    sender replays the DELTAs it still keeps or refreshes the block exactly;
    then wait up to ``repair_wait_s`` for the copies to match;
 4. return ``sum_j w_ij (x_hat_j - x_hat_i)`` over the neighbours whose copy is usable,
-   computed here on the loop thread, where late packets are applied.
+   computed here on the loop thread; DELTAs and ENDs of a later round that arrive
+   before we mixed wait until we did (:meth:`SparqExchange._park`), so every peer
+   mixes what the round's ENDs list and a lossless run replays exactly.
 
 Resync under loss, the rule: a holder never guesses.  A copy's block moves only by a
 DELTA computed from exactly the version it holds, or by an exact refresh; every END
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,6 +50,8 @@ from gossipnet.transport.wire import Packet
 __all__ = ("RoundOutcome", "SparqExchange")
 
 log = logging.getLogger(__name__)
+
+_NONE = -2  # "no END heard": below the introduction round (-1)
 
 
 @dataclass(slots=True)
@@ -88,6 +95,9 @@ class SparqExchange:
         self.resync: collections.Counter[str] = collections.Counter()
         self.bytes_sent = 0  # every SparQ packet this exchange sent, frames included
         self._epochs: dict[str, int] = {}  # the wire epoch of each copy's sender
+        self._round_now: int | None = None  # the round being mixed (None: between rounds)
+        self._last_end: tuple[int, int] | None = None  # (round, triggered) of our latest END
+        self._parked: list[Packet] = []  # later rounds' DELTAs and ENDs, until we mixed
         self._wake = asyncio.Event()
         handlers = {
             SparqKind.DELTA: self._on_delta,
@@ -135,11 +145,36 @@ class SparqExchange:
                 self.own.apply(fields, payload)
                 self._send(peers, SparqKind.DELTA, fields, payload)
                 n_delta += 1
-        end = {"r": rnd, "t": int(trigger), "d": self.layout.numel}
-        for _ in range(2):
-            self._send(peers, SparqKind.END, end, codec.end_payload(self.own.versions))
-        timed_out = not await self._wait(lambda: self._ended(peers, rnd), timeout_s)
-        await self._await_repairs(peers, rnd)
+        self._last_end = (rnd, int(trigger))
+        self._round_now = rnd  # a faster neighbour's next round waits until we mixed
+        try:
+            for _ in range(2):
+                self._send_end(peers)
+            timed_out = not await self._await_ends(peers, rnd, timeout_s)
+            await self._await_repairs(peers, rnd)
+            mix, mixed, stale = self._mix(peers, weights)
+            heard = tuple(p for p in peers if self.ends.get(p, (_NONE,))[0] >= rnd)
+        finally:
+            self._round_now = None
+            self._unpark()
+        return RoundOutcome(
+            mix=mix,
+            triggered=trigger,
+            bytes_sent=self.bytes_sent - sent0,
+            delta_packets=n_delta,
+            heard=heard,
+            mixed=mixed,
+            stale=stale,
+            timed_out=timed_out,
+            counters={**{f"drop_{k}": float(v) for k, v in self.drops.items()},
+                      **{f"resync_{k}": float(v) for k, v in self.resync.items()}},
+        )  # fmt: skip
+
+    def _mix(
+        self, peers: Sequence[str], weights: Mapping[str, float]
+    ) -> tuple[torch.Tensor, tuple[str, ...], tuple[str, ...]]:
+        """``sum_j w_ij (x_hat_j - x_hat_i)`` over the usable copies; those used, and
+        those of them still behind the neighbour's latest END."""
         mix = torch.zeros(self.layout.numel, dtype=torch.float32)
         mixed, stale = [], []
         for p in peers:
@@ -150,19 +185,57 @@ class SparqExchange:
             mixed.append(p)
             if not self._current([p]):
                 stale.append(p)
-        heard = tuple(p for p in peers if self.ends.get(p, (-1,))[0] >= rnd)
-        return RoundOutcome(
-            mix=mix,
-            triggered=trigger,
-            bytes_sent=self.bytes_sent - sent0,
-            delta_packets=n_delta,
-            heard=heard,
-            mixed=tuple(mixed),
-            stale=tuple(stale),
-            timed_out=timed_out,
-            counters={**{f"drop_{k}": float(v) for k, v in self.drops.items()},
-                      **{f"resync_{k}": float(v) for k, v in self.resync.items()}},
-        )  # fmt: skip
+        return mix, tuple(mixed), tuple(stale)
+
+    def _park(self, pkt: Packet) -> bool:
+        """Hold a DELTA or END of a round after the one we are mixing (True: held).
+
+        Why: a neighbour that finished the round first may already send the next
+        one; applied now, it would enter this round's mix on some peers and not on
+        others, by timing.  Held, every peer mixes exactly what the round's ENDs
+        list, and lossless runs replay bit for bit.  The payload is copied (the
+        transport's buffer is not ours to keep); past a bound, packets are dropped
+        and counted (the next END's versions get them repaired).
+        """
+        r = pkt.fields.get("r")
+        if self._round_now is None or type(r) is not int or r <= self._round_now:
+            return False
+        if len(self._parked) >= 4 * self.layout.nblocks + 16:
+            self.drops["parked_overflow"] += 1
+            return True
+        self._parked.append(dataclasses.replace(pkt, payload=memoryview(bytes(pkt.payload))))
+        return True
+
+    def _unpark(self) -> None:
+        parked, self._parked = self._parked, []
+        for pkt in parked:
+            (self._on_delta if pkt.kind == SparqKind.DELTA else self._on_end)(pkt)
+
+    def _send_end(self, peers: Sequence[str]) -> None:
+        """Our latest END to each of ``peers``, each told which of its ENDs we hold."""
+        if self._last_end is None:
+            return
+        rnd, trig = self._last_end
+        payload = codec.end_payload(self.own.versions)
+        for p in peers:
+            heard = self.ends.get(p, (_NONE,))[0]
+            fields = {"r": rnd, "t": trig, "h": heard, "d": self.layout.numel}
+            self._send([p], SparqKind.END, fields, payload)
+
+    async def _await_ends(self, peers: Sequence[str], rnd: int, timeout_s: float) -> bool:
+        """Wait for every neighbour's END of ``rnd``; every ``Config.control_retry_s``
+        send ours again to those not heard (their copies were lost, or they were not
+        listening yet).  False at the deadline."""
+        clock = self.node.clock
+        deadline = clock.now() + timeout_s
+        retry = self.node.config.control_retry_s
+        while True:
+            left = deadline - clock.now()
+            if await self._wait(lambda: self._ended(peers, rnd), min(retry, max(left, 0.0))):
+                return True
+            if left <= retry:
+                return False
+            self._send_end([p for p in peers if self.ends.get(p, (_NONE,))[0] < rnd])
 
     async def _await_repairs(self, peers: Sequence[str], rnd: int) -> None:
         """Wait up to ``repair_wait_s`` for our copies to match the neighbours' ENDs,
@@ -171,7 +244,7 @@ class SparqExchange:
         clock = self.node.clock
         deadline = clock.now() + self.settings.repair_wait_s
         retry = self.node.config.control_retry_s
-        heard = [p for p in peers if self.ends.get(p, (-1,))[0] >= rnd]
+        heard = [p for p in peers if self.ends.get(p, (_NONE,))[0] >= rnd]
         while not self._current(heard):
             left = deadline - clock.now()
             if left <= 0 or await self._wait(lambda: self._current(heard), min(retry, left)):
@@ -191,7 +264,7 @@ class SparqExchange:
             self._send([src], SparqKind.NACK, {"r": rnd}, payload)
 
     def _ended(self, peers: Sequence[str], rnd: int) -> bool:
-        return all(self.ends.get(p, (-1,))[0] >= rnd for p in peers)
+        return all(self.ends.get(p, (_NONE,))[0] >= rnd for p in peers)
 
     def _current(self, peers: Sequence[str]) -> bool:
         """Our copies of ``peers`` match the versions their latest END listed."""
@@ -234,6 +307,8 @@ class SparqExchange:
         return held
 
     def _on_delta(self, pkt: Packet) -> None:
+        if self._park(pkt):
+            return
         parsed = codec.parse_delta(pkt.fields, pkt.payload, self.layout)
         if parsed is None:
             self.drops["delta"] += 1
@@ -253,29 +328,35 @@ class SparqExchange:
         self._wake.set()
 
     def _on_end(self, pkt: Packet) -> None:
+        if self._park(pkt):
+            return
         parsed = codec.parse_end(pkt.fields, pkt.payload, self.layout)
         if parsed is None:
             self.drops["end"] += 1
             return
-        rnd, _, versions = parsed
+        rnd, _, heard, versions = parsed
         self._copy_of(pkt)  # a restarted sender: a fresh copy
-        if rnd < self.ends.get(pkt.src, (-1,))[0]:
+        if rnd < self.ends.get(pkt.src, (_NONE,))[0]:
             self.drops["end_old"] += 1  # an END overtaken by a later one: nothing new
             return
-        first = rnd > self.ends.get(pkt.src, (-1,))[0]
+        first = rnd > self.ends.get(pkt.src, (_NONE,))[0]
         self.ends[pkt.src] = (rnd, versions)
         if first:  # ask once per END (the second copy); the round's wait asks again
             self._nack(pkt.src, rnd)
+        if self._last_end is not None and heard < min(rnd, self._last_end[0]):
+            self.resync["ends_resent"] += 1  # it waits for an END of ours it never got
+            self._send_end([pkt.src])
         self._wake.set()
 
     def _on_nack(self, pkt: Packet) -> None:
         asked = codec.parse_nack(pkt.payload, self.layout)
-        if asked is None:
+        upto = pkt.fields.get("r")
+        if asked is None or type(upto) is not int or upto < -1:
             self.drops["nack"] += 1
             return
         self.resync["nacks_answered"] += 1
         for b, held in asked:
-            how, packets = self.own.repair(b, held)
+            how, packets = self.own.repair(b, held, upto)
             if how == "none":
                 continue
             self.resync[f"blocks_{how}"] += 1
