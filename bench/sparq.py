@@ -68,13 +68,15 @@ def train_row(
     """One run: N peers train ``cfg.steps`` steps; bytes, losses, SparQ counters."""
     train, held = load_corpus(cfg.corpus_bytes)
     held_out = eval_windows(held, cfg.eval_windows, cfg.context)
+    torch.manual_seed(cfg.model_seed)  # here, once: torch's global RNG races between threads
+    start = CharLM(cfg).state_dict()
 
     def body(rank: int, net: gossipnet.Peer) -> dict[str, Any]:
         torch.set_num_threads(1)
         shard = shard_stream(train, rank, cfg)
         gen = torch.Generator().manual_seed(cfg.data_seed * 1000 + rank)
-        torch.manual_seed(cfg.model_seed)
         model = CharLM(cfg)
+        model.load_state_dict(start)  # the same initial weights on every peer
         base = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
         kw: dict[str, Any] = {"average_every": average_every}
         if strategy == "moshpit":
