@@ -25,7 +25,19 @@ How it fits each strategy (the neighbours and W of a round):
   when the two meet again.  Memory: one model copy per peer met.
 
 Optimizer state is never gossiped under SparQ (``average_state`` is refused), and
-Moshpit's ``rounds`` does not apply: one SPARQ round per averaging.
+Moshpit's ``rounds`` does not apply: one SPARQ round per averaging.  Building the
+optimizer runs an introduction round (-1, weight 0) with every alive peer, so that
+the first copies are exact refreshes of everyone's starting estimate.
+
+What a SPARQ step reports (``CollectiveReport.method == "sparq"``), in ``extra``:
+``bytes_sent`` (every SparQ frame this peer sent since the last report, repairs
+included), ``bytes_dense`` (what dense gossip on the same neighbours sends: the
+group all-reduce's ``2 (g-1)/g`` model copies, or one copy per route partner),
+``compression_ratio`` (their ratio), ``triggered`` (1: this peer sent a difference),
+``delta_packets``, ``neighbours``, ``mixed`` (copies used), ``stale_neighbours``
+(used but behind their sender's END), and cumulative ``resync_*`` (gaps, NACKs sent,
+re-sent and answered, blocks replayed and refreshed, ENDs re-sent) and ``drop_*``
+(malformed packets by kind) counters.
 """
 
 from __future__ import annotations

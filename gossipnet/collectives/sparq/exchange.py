@@ -33,7 +33,7 @@ import asyncio
 import collections
 import dataclasses
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -274,9 +274,8 @@ class SparqExchange:
                 return False
         return True
 
-    async def _wait(self, done: object, timeout_s: float) -> bool:
+    async def _wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
         """Wait (on the node's clock) until ``done()``; False at the deadline."""
-        assert callable(done)
         clock = self.node.clock
         deadline = clock.now() + timeout_s
         while not done():
