@@ -32,6 +32,7 @@ The last stdout line is one JSON object with ``sparq_bytes_ratio``,
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -146,7 +147,7 @@ def summarise(runs: list[dict[str, Any]], loss: float) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = bench_parser(__doc__)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
@@ -164,8 +165,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.steps = 2, min(args.steps, 80)
-    sparq = gossipnet.SparQ(density=args.density, gamma=args.gamma, threshold_c0=args.c0)
-    shape = {"d_model": 48, "layers": 1, "heads": 4, "context": 32, "batch": 16}
+    return args
+
+
+def run_all(
+    args: argparse.Namespace, sparq: gossipnet.SparQ, shape: dict[str, int]
+) -> list[dict[str, Any]]:
+    """Every (loss, seed, variant) run, printed as it ends."""
     runs: list[dict[str, Any]] = []
     for loss in [float(x) for x in args.losses.split(",")]:
         for seed in range(args.seeds):
@@ -187,6 +193,14 @@ def main() -> None:
                     f" {row['cpu_s']:.1f} s CPU",
                     flush=True,
                 )
+    return runs
+
+
+def main() -> None:
+    args = parse_args()
+    sparq = gossipnet.SparQ(density=args.density, gamma=args.gamma, threshold_c0=args.c0)
+    shape = {"d_model": 48, "layers": 1, "heads": 4, "context": 32, "batch": 16}
+    runs = run_all(args, sparq, shape)
     summary: dict[str, Any] = {"settings": {**vars(args), "sparq": repr(sparq), **shape}}
     for loss in sorted({r["loss"] for r in runs}):
         s = summarise(runs, loss)
@@ -194,16 +208,13 @@ def main() -> None:
         summary[f"sparq_bytes_ratio{tag}"] = s["bytes_ratio"]
         summary[f"sparq_quality_change{tag}"] = s["quality_change"]
         summary[f"detail{tag or '_0pct'}"] = s
+        rerun = s["dense_rerun_change"]
         print(
             f"loss {loss:4.0%}: dense/SparQ bytes {s['bytes_ratio']:.1f}x"
             f" (range {s['bytes_ratio_range'][0]:.1f}-{s['bytes_ratio_range'][1]:.1f}),"
             f" final loss change {s['quality_change']:+.2%}"
             f" (range {s['quality_change_range'][0]:+.2%} to {s['quality_change_range'][1]:+.2%})"
-            + (
-                f"; dense re-run changes {s['dense_rerun_change']}"
-                if s["dense_rerun_change"]
-                else ""
-            )
+            + (f"; dense re-run changes {rerun}" if rerun else "")
         )
     summary["runs"] = runs
     emit_json(summary)
