@@ -12,6 +12,7 @@ from __future__ import annotations
 from gossipnet._join import join
 from gossipnet.clock import Clock, FakeClock, MonotonicClock
 from gossipnet.collectives.compress import DCT, Accordion, ArcTopK, Int8
+from gossipnet.collectives.sparq.config import SparQ
 from gossipnet.config import Config
 from gossipnet.errors import (
     ClosedError,
@@ -68,6 +69,7 @@ __all__ = (
     "ReplicaCheck",
     "Route",
     "RouteOptions",
+    "SparQ",
     "TauPolicy",
     "__version__",
     "join",

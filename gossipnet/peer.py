@@ -478,6 +478,9 @@ class Peer:
                 :class:`gossipnet.MoshpitOptions`, :class:`gossipnet.RouteOptions`,
                 by field or historical name, e.g. ``resync_every_steps``, ``timeout``,
                 ``average_every``), or one of those options values.
+                ``compress=gossipnet.SparQ(...)`` with ``"moshpit"`` or ``"route"``:
+                SPARQ-SGD gossip (compressed, event-triggered differences; with the
+                all-reduce it raises ``ConfigError``).
 
         One optimizer steps per peer: its rounds are numbered by its own step
         count.  Another may replace it (a new training stage, a checkpoint loaded

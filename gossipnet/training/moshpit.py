@@ -49,6 +49,7 @@ from gossipnet.training._local_step import scale_for_microbatches, state_tensors
 from gossipnet.training.host import TrainingHost
 from gossipnet.training.options import MoshpitOptions
 from gossipnet.training.replicas import ReplicaCheck
+from gossipnet.training.sparq import SparqGossip
 from gossipnet.training.strategy import adopt_groups
 
 __all__ = ("MoshpitStrategy",)
@@ -99,6 +100,13 @@ class MoshpitStrategy:
         self.publish()
         if options.sync_state:
             self.sync()
+        #: SPARQ-SGD in the groups instead of the dense all-reduce (``compress=SparQ``)
+        self.sparq: SparqGossip | None = None
+        if options.compress is not None:
+            self.sparq = SparqGossip(
+                host, self.params, base, options.compress, topology="moshpit",
+                timeout_s=self.timeout_s, group_size=options.group_size,
+            )  # fmt: skip
 
     # ------------------------------------------------------------------ training
     def step(self, closure: Callable[[], Any] | None, weight: float | None) -> CollectiveReport:
@@ -168,7 +176,11 @@ class MoshpitStrategy:
         return self.average()
 
     def average(self, weight: float = 1.0, start_round: int | None = None) -> CollectiveReport:
-        """Average parameters (and optionally optimizer state) now."""
+        """Average parameters (and optionally optimizer state) now; with SparQ, one
+        SPARQ round (``weight`` does not apply: W is uniform in the group)."""
+        if self.sparq is not None:
+            at = self.step_count // self.options.average_every
+            return self.sparq.average(at if start_round is None else start_round // SWEEP_STRIDE)
         tensors = [p.detach() for p in self.params]
         if self.options.average_state:
             tensors += state_tensors(self.base, self.params)

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 from gossipnet.collectives.compress import Compression
 from gossipnet.collectives.compress import resolve as resolve_compress
 from gossipnet.collectives.moshpit.averager import BEHIND_SWEEPS
+from gossipnet.collectives.sparq.config import SparQ
 from gossipnet.errors import ConfigError
 
 __all__ = ("AllReduceOptions", "MoshpitOptions", "RouteOptions", "StrategyOptions", "resolve")
@@ -79,6 +80,9 @@ class MoshpitOptions:
             many sweeps behind the most advanced peer (the others no longer plan us in).
         timeout_s: bound of each group all-reduce in seconds (None:
             ``Config.collective_timeout_s``).
+        compress: ``gossipnet.SparQ(...)``: SPARQ-SGD gossip in the Moshpit groups
+            instead of the dense group all-reduce (:mod:`gossipnet.training.sparq`);
+            None: dense.
     """
 
     name: ClassVar[str] = "moshpit"
@@ -100,6 +104,7 @@ class MoshpitOptions:
     sync_timeout_s: float = 30.0
     catch_up_sweeps: int = BEHIND_SWEEPS
     timeout_s: float | None = None
+    compress: SparQ | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -114,6 +119,7 @@ class MoshpitOptions:
             raise ConfigError(f"catch_up_sweeps must be >= 1, got {self.catch_up_sweeps}")
         _positive("sync_timeout_s", self.sync_timeout_s)
         _positive("timeout_s", self.timeout_s)
+        _check_sparq(self.name, self.compress, self.average_state)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +131,8 @@ class RouteOptions:
         rounds: gossip rounds per averaging, >= 1 (each plans afresh on the routes).
         average_state: also gossip floating optimizer state shaped like the
             parameters (momentum buffers, Adam's moments).
+        compress: ``gossipnet.SparQ(...)``: SPARQ-SGD on the plan's links instead of
+            dense gossip (:mod:`gossipnet.training.sparq`); None: dense.
     """
 
     name: ClassVar[str] = "route"
@@ -135,10 +143,12 @@ class RouteOptions:
     average_every: int = 1
     rounds: int = 1
     average_state: bool = False
+    compress: SparQ | None = None
 
     def __post_init__(self) -> None:
         if self.average_every < 1 or self.rounds < 1:
             raise ConfigError("average_every >= 1 and rounds >= 1 required")
+        _check_sparq(self.name, self.compress, self.average_state)
 
 
 #: Any strategy's options.
@@ -173,6 +183,11 @@ def resolve(strategy: str | StrategyOptions, kwargs: Mapping[str, Any]) -> Strat
             )
         return strategy
     cls = _BY_NAME.get(strategy) if isinstance(strategy, str) else None
+    if cls is AllReduceOptions and isinstance(kwargs.get("compress"), SparQ):
+        raise ConfigError(
+            "gossipnet.SparQ works with the gossip strategies only: strategy='moshpit' or"
+            " 'route'; the all-reduce takes the all-reduce compressors"
+        )
     if cls is None:
         raise ConfigError(
             f"strategy {strategy!r} is not available; choose one of {tuple(_BY_NAME)}"
@@ -194,6 +209,19 @@ def resolve(strategy: str | StrategyOptions, kwargs: Mapping[str, Any]) -> Strat
             raise ConfigError(f"{field} given twice (as {field!r} and its old name)")
         values[field] = value
     return cls(**values)
+
+
+def _check_sparq(strategy: str, compress: object, average_state: bool) -> None:
+    """``compress`` of a gossip strategy: None or a :class:`SparQ` (parameters only)."""
+    if compress is None:
+        return
+    if not isinstance(compress, SparQ):
+        raise ConfigError(
+            f"strategy={strategy!r} accepts compress=gossipnet.SparQ(...) or None, got"
+            f" {compress!r} (the all-reduce compressors need strategy='allreduce')"
+        )
+    if average_state:
+        raise ConfigError("SparQ gossips parameters only: set average_state=False with it")
 
 
 def _positive(name: str, value: float | None) -> None:

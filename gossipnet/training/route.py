@@ -30,6 +30,7 @@ from gossipnet.training._local_step import scale_for_microbatches, state_tensors
 from gossipnet.training.host import TrainingHost
 from gossipnet.training.options import RouteOptions
 from gossipnet.training.replicas import ReplicaCheck
+from gossipnet.training.sparq import SparqGossip
 from gossipnet.training.strategy import adopt_groups
 
 __all__ = ("RouteStrategy", "route_average")
@@ -155,6 +156,13 @@ class RouteStrategy:
         self.last_resync: CollectiveReport | None = None  # route peers never resync
         self.last_sync: TransferReport | None = None  # nor download state
         self.last_replica_check: ReplicaCheck | None = None  # nor compare digests
+        #: SPARQ-SGD on the plan's links instead of dense gossip (``compress=SparQ``)
+        self.sparq: SparqGossip | None = None
+        if options.compress is not None:
+            timeout_s = host.config.collective_timeout_s
+            self.sparq = SparqGossip(
+                host, self.params, base, options.compress, topology="route", timeout_s=timeout_s
+            )
 
     def step(self, closure: Callable[[], Any] | None, weight: float | None) -> CollectiveReport:
         """A local step; every ``average_every`` steps, a route-aware gossip round.
@@ -186,7 +194,11 @@ class RouteStrategy:
         return self.average()
 
     def average(self, start_round: int | None = None) -> CollectiveReport:
-        """Gossip the parameters (and optionally the optimizer state) now."""
+        """Gossip the parameters (and optionally the optimizer state) now; with SparQ,
+        one SPARQ round."""
+        if self.sparq is not None:
+            at = self.step_count // self.options.average_every
+            return self.sparq.average(at if start_round is None else start_round)
         tensors = [p.detach() for p in self.params]
         if self.options.average_state:
             tensors += state_tensors(self.base, self.params)

@@ -42,6 +42,7 @@ def test_all_is_pinned() -> None:
         "ReplicaCheck",
         "Route",
         "RouteOptions",
+        "SparQ",
         "TauPolicy",
         "__version__",
         "join",
