@@ -12,6 +12,7 @@ from __future__ import annotations
 from gossipnet._join import join
 from gossipnet.clock import Clock, FakeClock, MonotonicClock
 from gossipnet.config import Config
+from gossipnet.distributed import register as _register_torch_backend
 from gossipnet.errors import (
     ClosedError,
     ConfigError,
@@ -33,6 +34,8 @@ from gossipnet.training.replicas import ReplicaCheck
 from gossipnet.transport.faults import Crash, FaultPlan, GilbertElliott, Partition
 
 __version__ = "0.1.0"
+
+_register_torch_backend()  # dist.init_process_group("gossipnet"); imports nothing more
 
 __all__ = (
     "AllReduceOptions",
