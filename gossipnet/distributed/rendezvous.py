@@ -6,15 +6,14 @@ ranks' addresses, adds them as bootstrap addresses and waits for all of them to 
 alive (:meth:`gossipnet.runtime.runtime.Runtime.await_peers`, whose error names
 silent addresses and peers failing authentication: another secret).
 
-Keys carry torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``) and a per-process
-count of groups, so a restarted worker group never reads its previous incarnation's
-addresses from torchrun's long-lived agent store.
+Keys carry torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``) and the rank's
+own count of rendezvous on the store (``store.add``), so a restarted worker group never
+reads its previous incarnation's addresses from torchrun's long-lived agent store.
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
 import os
 
 from torch._C._distributed_c10d import Store
@@ -27,8 +26,6 @@ from gossipnet.peer import Peer
 from gossipnet.runtime.join import advertise_host
 
 __all__ = ("listen_host", "start_peer")
-
-_GROUPS = itertools.count()
 
 
 def listen_host(options: GossipnetOptions, env: dict[str, str] | None = None) -> str:
@@ -85,7 +82,9 @@ def _meet(peer: Peer, store: Store, rank: int, world: int, timeout_s: float) -> 
     """Publish our address, read the others', say hello, wait for them all."""
     if world <= 1:
         return
-    generation = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{next(_GROUPS)}"
+    # this rank's count of rendezvous on this store: the same on every rank of a group
+    count = store.add(f"gossipnet/rendezvous/{rank}", 1)
+    generation = f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}.{count}"
     store.set(_key(generation, rank), peer.address)
     keys = [_key(generation, r) for r in range(world) if r != rank]
     try:
