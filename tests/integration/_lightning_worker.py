@@ -24,7 +24,6 @@ import gossipnet.distributed as gdist
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"))
 from ddp_backend import model, teacher_data
 
-
 #: Enough steps (cosine-annealed) for gloo and gossipnet to settle near the noise floor.
 STEPS = 200
 
