@@ -60,6 +60,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=0.1, help="SGD rate (lower it for wide models)")
     ap.add_argument("--json", action="store_true", help="rank 0 prints one JSON line")
     args = ap.parse_args()
 
@@ -67,7 +68,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed + rank)  # ranks start different: the broadcast must fix it
     net = DDP(model(args.hidden))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps)
     x_all, y_all = teacher_data(args.steps * args.batch, seed=args.seed * 1000 + rank)
     x_test, y_test = teacher_data(2048, seed=99_999)
@@ -105,6 +106,7 @@ def main() -> None:
             "chunks_total": totals.get("chunks_total", 0),
         }
         print(json.dumps(result) if args.json else f"held-out loss {test_loss:.5f} ({result})")
+    dist.barrier()  # every rank done before any tears down (gloo aborts otherwise, rarely)
     dist.destroy_process_group()
 
 

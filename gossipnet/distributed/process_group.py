@@ -57,7 +57,10 @@ __all__ = ("ProcessGroupGossipnet",)
 
 #: Reports kept per group (the newest last).
 REPORTS_KEPT = 256
-_SUPPORTED = "allreduce, broadcast, allgather, _allgather_base, reduce_scatter, barrier"
+_SUPPORTED = (
+    "allreduce, broadcast, allgather, all_gather_into_tensor, reduce_scatter,"
+    " reduce_scatter_tensor, barrier"
+)
 
 
 def _rank_id(rank: int) -> str:
@@ -87,6 +90,8 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
         chunk = getattr(peer.node.transport, "default_chunk_bytes", 1024)
         self._exchange, self._lock = runtime.call(_make_loop_state(peer, chunk))
         self._seq = 0
+        self._group_name = ""
+        self._group_desc = ""
         self._inflight: set[concurrent.futures.Future[None]] = set()
         #: the newest lossy rounds' reports (``CollectiveReport``), oldest first
         self.reports: collections.deque[CollectiveReport] = collections.deque(maxlen=REPORTS_KEPT)
@@ -99,6 +104,20 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
 
     def name(self) -> str:
         return "gossipnet"
+
+    # torch sets a group's name and description after the creator returns; a Python
+    # group keeps them itself (DeviceMesh, FSDP and the c10d registry read them)
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"<ProcessGroupGossipnet rank {self.rank()}/{self.size()} {self.peer.address}>"
@@ -191,13 +210,19 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
         staged = stage(tensors)
         caller_s = time.thread_time() - cpu0
         timeout = self.peer.config.collective_timeout_s
+        # gradients, like the optimizer's rounds: XOR parity while loss is seen, so most
+        # lost packets are rebuilt at once instead of costing a repair round trip
+        parity = self.peer.config.parity_for(optimizer=True)
 
         async def lossy() -> list[torch.Tensor]:
             loop0 = time.thread_time()
             report = await self._engine.run(
                 staged.buckets,
                 RoundOptions(
-                    weight=staged.weight, timeout_s=timeout, repair=bool(self.options.repair)
+                    weight=staged.weight,
+                    timeout_s=timeout,
+                    repair=bool(self.options.repair),
+                    parity_group=parity,
                 ),
             )
             if name == "SUM":
@@ -286,6 +311,14 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
         work.op = "_allgather_base"
         return work
 
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> GossipWork:
+        """``dist.all_gather_single`` (FSDP2's all-gather): as :meth:`_allgather_base`."""
+        work = self._allgather_base(output, input, opts)
+        work.op = "all_gather_single"
+        return work
+
     def barrier(self, opts: Any = None) -> GossipWork:
         """Exact: returns once every rank alive has entered it (a dead rank is excused)."""
         seq = self._next_seq()
@@ -324,6 +357,12 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
             )
         rows = [list(input.reshape(-1).chunk(self.size()))]
         return self.reduce_scatter([output.view(-1)], rows, opts)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> GossipWork:
+        """``dist.reduce_scatter_single`` (FSDP2's gradient reduce-scatter)."""
+        return self._reduce_scatter_base(output, input, opts)
 
     # ------------------------------------------------------------------ the rest
     def _unsupported(self, call: str) -> UnsupportedError:

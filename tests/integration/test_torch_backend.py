@@ -5,6 +5,7 @@
   every replica identical;
 * PyTorch Lightning's ``DDPStrategy(process_group_backend="gossipnet")``: trains through
   the backend (its counters) to gloo's loss, lossless and at 10% loss;
+* FSDP2 (``fully_shard``): the same losses as gloo;
 * a rank killed with SIGKILL: the survivors finish their steps within a bound, agreeing;
 * ranks with different secrets: a clear ``JoinError``, never a lone run.
 
@@ -92,6 +93,18 @@ def test_lightning_ddp_strategy_trains_through_gossipnet() -> None:
     assert clean["test_loss"] == pytest.approx(gloo["test_loss"], rel=1e-4)
     assert lossy["totals"]["packets_lost"] > 0
     assert lossy["test_loss"] <= 1.01 * gloo["test_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_S)
+def test_fsdp2_trains_over_gossipnet_as_over_gloo() -> None:
+    """FSDP2's all_gather_single / reduce_scatter_single: the same losses as gloo."""
+    script = HERE / "_fsdp_worker.py"
+    gloo = _torchrun(script, 2, "gloo")
+    ours = _torchrun(script, 2, "gossipnet")
+    assert ours["losses"] == pytest.approx(gloo["losses"], rel=1e-4)
+    assert ours["totals"]["calls_allgather"] > 0  # FSDP's all-gathers came through us
+    assert ours["totals"]["calls_reduce_scatter"] > 0
 
 
 def _ranks(world: int, args: list[str], envs: list[dict[str, str]]) -> list[subprocess.Popen[str]]:
