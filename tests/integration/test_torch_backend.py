@@ -107,7 +107,9 @@ def test_fsdp2_trains_over_gossipnet_as_over_gloo() -> None:
     assert ours["totals"]["calls_reduce_scatter"] > 0
 
 
-def _ranks(world: int, args: list[str], envs: list[dict[str, str]]) -> list[subprocess.Popen[str]]:
+def _ranks(
+    world: int, args: list[str], envs: list[dict[str, str]], script: str = "_ddp_churn_worker.py"
+) -> list[subprocess.Popen[str]]:
     (port,) = free_tcp_ports(1)
     procs = []
     for rank in range(world):
@@ -120,7 +122,7 @@ def _ranks(world: int, args: list[str], envs: list[dict[str, str]]) -> list[subp
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "_ddp_churn_worker.py"), *args],
+                [sys.executable, str(HERE / script), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -173,3 +175,24 @@ def test_ranks_with_different_secrets_fail_clearly() -> None:
         assert p.returncode != 0
         assert "JoinError" in err, err[-3000:]
         assert "secret" in err.lower(), err[-3000:]
+
+
+@pytest.mark.timeout(RUN_S)
+def test_object_collectives_are_exact_and_gather_is_named() -> None:
+    """all_gather_object and broadcast_object_list (byte tensors through allgather and
+    broadcast) return every object intact; gather_object names the unsupported call;
+    init_process_group's pg_options reach the group."""
+    procs = _ranks(3, [], [{}] * 3, script="_objects_worker.py")
+    try:
+        outs = [p.communicate(timeout=RUN_S) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+    got = json.loads(outs[0][0].strip().splitlines()[-1])
+    want = [{"rank": r, "text": "x" * (100 + 5000 * r), "nested": [r, [r * 2.5]]} for r in range(3)]
+    assert got["gathered"] == want
+    assert got["broadcast"] == [{"from": "root", "blob": list(range(2000))}, "second"]
+    assert "gather is not supported" in got["gather_error"]
+    assert (got["timeout"], got["exact"]) == (7.5, 64)  # pg_options reached the group
