@@ -59,10 +59,10 @@ def _create(backend_opts: Any, pg_options: Any) -> ProcessGroupGossipnet:
     if not isinstance(timeout, datetime.timedelta):
         timeout = datetime.timedelta(minutes=30)
     options = resolve_options(pg_options, rank)
-    peer = start_peer(
+    peer, exchange = start_peer(
         backend_opts.store, rank, world, options, group=str(backend_opts.group_id), timeout=timeout
     )
-    return ProcessGroupGossipnet(peer, rank, world, options, timeout.total_seconds())
+    return ProcessGroupGossipnet(peer, exchange, rank, world, options, timeout.total_seconds())
 
 
 def _gossip_group(group: Any) -> ProcessGroupGossipnet:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -55,6 +56,8 @@ from gossipnet.runtime.cputime import stamp_cpu
 
 __all__ = ("ProcessGroupGossipnet",)
 
+log = logging.getLogger(__name__)
+
 #: Reports kept per group (the newest last).
 REPORTS_KEPT = 256
 _SUPPORTED = (
@@ -72,6 +75,8 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
 
     Args:
         peer: this rank's started peer, connected to the group's other ranks.
+        exchange: the peer's :class:`Exchange` (made before the rendezvous, see
+            :func:`gossipnet.distributed.rendezvous.start_peer`).
         rank, size: this rank and the group's size (fixed: survivors keep it).
         options: the resolved :class:`GossipnetOptions`.
         timeout_s: the group's timeout (``init_process_group(timeout=...)``): the
@@ -79,7 +84,13 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
     """
 
     def __init__(
-        self, peer: Peer, rank: int, size: int, options: GossipnetOptions, timeout_s: float
+        self,
+        peer: Peer,
+        exchange: Exchange,
+        rank: int,
+        size: int,
+        options: GossipnetOptions,
+        timeout_s: float,
     ) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # the stubs list one overload
         self.peer = peer
@@ -87,8 +98,8 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
         self.timeout_s = timeout_s
         runtime = peer.runtime
         self._engine = runtime.engine("allreduce", LossyAllReduce)
-        chunk = getattr(peer.node.transport, "default_chunk_bytes", 1024)
-        self._exchange, self._lock = runtime.call(_make_loop_state(peer, chunk))
+        self._exchange = exchange
+        self._lock = runtime.call(_make_lock())
         self._seq = 0
         self._group_name = ""
         self._group_desc = ""
@@ -131,6 +142,7 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
     def _launch(self, op: str, body: Callable[[], Awaitable[Any]]) -> GossipWork:
         """Run ``body()`` on the loop thread after the collectives issued before it."""
         self.totals[f"calls_{op}"] += 1
+        log.debug("rank %d: %s issued (exact collectives so far: %d)", self.rank(), op, self._seq)
         work = GossipWork(op, self.timeout_s)
         lock = self._lock
 
@@ -414,6 +426,6 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
         self.peer.close(announce=False)
 
 
-async def _make_loop_state(peer: Peer, chunk_bytes: int) -> tuple[Exchange, asyncio.Lock]:
-    """The exchange and the FIFO lock, made on the loop thread that uses them."""
-    return Exchange(peer.node, chunk_bytes), asyncio.Lock()
+async def _make_lock() -> asyncio.Lock:
+    """The FIFO lock, made on the loop thread that uses it."""
+    return asyncio.Lock()

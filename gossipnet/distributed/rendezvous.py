@@ -20,6 +20,7 @@ from torch._C._distributed_c10d import Store
 
 from gossipnet._join import join
 from gossipnet.config import Config
+from gossipnet.distributed.exchange import Exchange
 from gossipnet.distributed.options import GossipnetOptions
 from gossipnet.errors import JoinError
 from gossipnet.peer import Peer
@@ -51,8 +52,13 @@ def start_peer(
     *,
     group: str,
     timeout: datetime.timedelta,
-) -> Peer:
-    """A running peer, connected to every other rank of the group.
+) -> tuple[Peer, Exchange]:
+    """A running peer, connected to every other rank of the group, and its exchange.
+
+    Why the exchange is made here, before our address is published: a rank that
+    finishes the rendezvous first may broadcast at once; a part arriving before anyone
+    subscribed to its kind would be acknowledged (the reliable layer acks every
+    request) and then dropped as unhandled, and its sender would never resend it.
 
     Raises:
         JoinError: a rank did not publish its address, or did not answer, within
@@ -71,11 +77,18 @@ def start_peer(
         handle_sigterm=options.handle_sigterm,
     )
     try:
+        chunk = getattr(peer.node.transport, "default_chunk_bytes", 1024)
+        exchange = peer.runtime.call(_make_exchange(peer, chunk))
         _meet(peer, store, rank, world, config.join_timeout_s)
     except BaseException:
         peer.close(announce=False)
         raise
-    return peer
+    return peer, exchange
+
+
+async def _make_exchange(peer: Peer, chunk_bytes: int) -> Exchange:
+    """The exchange, made (and subscribed) on the loop thread that runs it."""
+    return Exchange(peer.node, chunk_bytes)
 
 
 def _meet(peer: Peer, store: Store, rank: int, world: int, timeout_s: float) -> None:

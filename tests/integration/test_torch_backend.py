@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -52,9 +53,21 @@ def _torchrun(script: Path, nproc: int, *args: str, **env: str) -> dict[str, Any
         str(script),
         *args,
     ]
-    done = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=RUN_S, env=_env(**env), check=False
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(**env),
+        start_new_session=True,  # a timeout kills torchrun's workers too, not only torchrun
     )
+    try:
+        out, err = proc.communicate(timeout=RUN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"{script.name} hung past {RUN_S} s:\n{err[-4000:]}") from None
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     assert len(lines) == 1, done.stdout[-3000:]

@@ -47,8 +47,8 @@ def _groups(config: Config = CONFIG) -> list[ProcessGroupGossipnet]:
     def make(rank: int) -> ProcessGroupGossipnet:
         resolved = resolve_options(opts, rank, env={})
         td = datetime.timedelta(seconds=CALL_S)
-        peer = start_peer(store, rank, WORLD, resolved, group="t", timeout=td)
-        return ProcessGroupGossipnet(peer, rank, WORLD, resolved, CALL_S)
+        peer, exchange = start_peer(store, rank, WORLD, resolved, group="t", timeout=td)
+        return ProcessGroupGossipnet(peer, exchange, rank, WORLD, resolved, CALL_S)
 
     with concurrent.futures.ThreadPoolExecutor(WORLD) as pool:
         return list(pool.map(make, range(WORLD)))
@@ -219,3 +219,31 @@ def test_survivors_go_on_when_a_rank_dies() -> None:
     finally:
         for pg in made[:2]:
             pg.abort()
+
+
+@pytest.mark.timeout(60)
+def test_a_broadcast_sent_before_the_receiver_built_its_group_arrives() -> None:
+    """Rank 0 broadcasts (and its parts are acknowledged) before rank 1 has made its
+    process group: the parts must wait in rank 1's inbox, not be acked and dropped.
+    (A Lightning run at 10% loss once hung so: its rank 0 left the rendezvous first.)"""
+    store = dist.HashStore()
+    opts = resolve_options(GossipnetOptions(config=CONFIG, handle_sigterm=False), 0, env={})
+    td = datetime.timedelta(seconds=CALL_S)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        started = list(
+            pool.map(lambda r: start_peer(store, r, 2, opts, group="early", timeout=td), range(2))
+        )
+    pgs: list[ProcessGroupGossipnet] = []
+    try:
+        pgs.append(ProcessGroupGossipnet(*started[0], 0, 2, opts, CALL_S))
+        sent = torch.arange(10, dtype=torch.float64)
+        pgs[0].broadcast([sent], dist.BroadcastOptions()).wait(td)  # acked by rank 1's node
+        pgs.append(ProcessGroupGossipnet(*started[1], 1, 2, opts, CALL_S))
+        got = torch.zeros(10, dtype=torch.float64)
+        pgs[1].broadcast([got], dist.BroadcastOptions()).wait(td)
+        assert torch.equal(got, sent)
+    finally:
+        for pg in pgs:
+            pg.abort()
+        for peer, _ in started[len(pgs) :]:
+            peer.close()
