@@ -26,10 +26,13 @@ the loop thread writes the results into them.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -50,6 +53,7 @@ from gossipnet.distributed.tensors import (
     to_bytes,
 )
 from gossipnet.distributed.work import GossipWork
+from gossipnet.errors import ClosedError
 from gossipnet.peer import Peer
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.cputime import stamp_cpu
@@ -108,6 +112,9 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
         self.reports: collections.deque[CollectiveReport] = collections.deque(maxlen=REPORTS_KEPT)
         #: counts since start: calls per collective, lossy rounds, packets and chunks lost
         self.totals: collections.Counter[str] = collections.Counter()
+        # a script that never calls destroy_process_group still says goodbye at exit, so
+        # the survivors drop it at once instead of after failure_timeout_s
+        atexit.register(_leave_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -419,11 +426,19 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         """Announce our departure and close the peer (``destroy_process_group``)."""
-        self.peer.leave()
+        with contextlib.suppress(ClosedError):
+            self.peer.leave()
 
     def abort(self) -> None:
         """Close the peer at once, without announcing."""
         self.peer.close(announce=False)
+
+
+def _leave_at_exit(ref: weakref.ref[ProcessGroupGossipnet]) -> None:
+    pg = ref()
+    if pg is not None and not pg.peer.runtime.closed:
+        with contextlib.suppress(Exception):  # exiting: a failed goodbye changes nothing
+            pg.shutdown()
 
 
 async def _make_lock() -> asyncio.Lock:

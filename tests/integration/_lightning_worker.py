@@ -74,6 +74,8 @@ def main() -> None:
     }
     if trainer.global_rank == 0:
         print(json.dumps(out), flush=True)
+    dist.barrier()  # Lightning leaves the group to the script: end it on every rank together
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
