@@ -44,7 +44,6 @@ from gossipnet.distributed.exchange import Exchange
 from gossipnet.distributed.options import GossipnetOptions
 from gossipnet.distributed.tensors import (
     LOSSY_DTYPES,
-    UnsupportedError,
     check_op,
     exact_reduce,
     from_bytes,
@@ -52,6 +51,7 @@ from gossipnet.distributed.tensors import (
     stage,
     to_bytes,
 )
+from gossipnet.distributed.unsupported import UnsupportedCalls
 from gossipnet.distributed.work import GossipWork
 from gossipnet.errors import ClosedError
 from gossipnet.peer import Peer
@@ -64,17 +64,13 @@ log = logging.getLogger(__name__)
 
 #: Reports kept per group (the newest last).
 REPORTS_KEPT = 256
-_SUPPORTED = (
-    "allreduce, broadcast, allgather, all_gather_into_tensor, reduce_scatter,"
-    " reduce_scatter_tensor, barrier"
-)
 
 
 def _rank_id(rank: int) -> str:
     return f"rank{rank}"
 
 
-class ProcessGroupGossipnet(dist.ProcessGroup):
+class ProcessGroupGossipnet(UnsupportedCalls, dist.ProcessGroup):
     """A process group whose collectives run over ``peer``.
 
     Args:
@@ -382,46 +378,6 @@ class ProcessGroupGossipnet(dist.ProcessGroup):
     ) -> GossipWork:
         """``dist.reduce_scatter_single`` (FSDP2's gradient reduce-scatter)."""
         return self._reduce_scatter_base(output, input, opts)
-
-    # ------------------------------------------------------------------ the rest
-    def _unsupported(self, call: str) -> UnsupportedError:
-        return UnsupportedError(
-            f"gossipnet backend: torch.distributed {call} is not supported (supported:"
-            f" {_SUPPORTED}); run it on a gloo group: dist.new_group(backend='gloo')"
-        )
-
-    def alltoall(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("all_to_all")
-
-    def alltoall_base(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("all_to_all_single")
-
-    def send(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("send")
-
-    def recv(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("recv")
-
-    def recv_anysource(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("recv (any source)")
-
-    def gather(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("gather")
-
-    def scatter(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("scatter")
-
-    def reduce(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("reduce")
-
-    def allreduce_coalesced(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("all_reduce_coalesced")
-
-    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("all_gather_coalesced")
-
-    def monitored_barrier(self, *args: Any, **kwargs: Any) -> GossipWork:
-        raise self._unsupported("monitored_barrier (use barrier)")
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
