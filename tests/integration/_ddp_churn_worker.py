@@ -1,9 +1,10 @@
 """A DDP worker for the churn and misconfiguration tests (started with env:// variables).
 
 Arguments: ``steps die_rank die_step``.  Rank ``die_rank`` kills itself with SIGKILL
-(no goodbye) before step ``die_step``; the others train on and print one JSON line:
-steps done, seconds after the death step, rounds that missed a peer, and a digest of
-their parameters (survivors must still agree).
+(no goodbye) before step ``die_step``, in the first attempt only (under ``torchrun
+--max-restarts`` the restarted group then runs through); the others train on and
+print one JSON line: steps done, seconds after the death step, rounds that missed a
+peer, and a digest of their parameters (survivors must still agree).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def main() -> None:
     t_death = None
     for step in range(steps):
         if step == die_step:
-            if rank == die_rank:
+            if rank == die_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
                 os.kill(os.getpid(), signal.SIGKILL)
             t_death = time.monotonic()
         x = torch.randn(16, 32)
@@ -46,6 +47,7 @@ def main() -> None:
         json.dumps(
             {
                 "rank": rank,
+                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                 "steps": steps,
                 "after_death_s": time.monotonic() - t_death if t_death else None,
                 "rounds_missing_peers": totals.get("rounds_missing_peers", 0),

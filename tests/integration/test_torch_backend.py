@@ -41,8 +41,10 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _torchrun(script: Path, nproc: int, *args: str, **env: str) -> dict[str, Any]:
-    """Run ``script`` under torch.distributed.run; rank 0's JSON line."""
+def _torchrun_all(
+    script: Path, nproc: int, *args: str, max_restarts: int = 0, **env: str
+) -> list[dict[str, Any]]:
+    """Run ``script`` under torch.distributed.run; every JSON line it printed."""
     (port,) = free_tcp_ports(1)
     cmd = [
         sys.executable,
@@ -50,6 +52,7 @@ def _torchrun(script: Path, nproc: int, *args: str, **env: str) -> dict[str, Any
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
         f"--master-port={port}",
+        f"--max-restarts={max_restarts}",
         str(script),
         *args,
     ]
@@ -70,8 +73,14 @@ def _torchrun(script: Path, nproc: int, *args: str, **env: str) -> dict[str, Any
     done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    assert len(lines) == 1, done.stdout[-3000:]
-    return dict(json.loads(lines[0]))
+    return [dict(json.loads(ln)) for ln in lines]
+
+
+def _torchrun(script: Path, nproc: int, *args: str, **env: str) -> dict[str, Any]:
+    """Run ``script`` under torch.distributed.run; rank 0's JSON line (the only one)."""
+    lines = _torchrun_all(script, nproc, *args, **env)
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 @pytest.mark.slow
@@ -118,6 +127,19 @@ def test_fsdp2_trains_over_gossipnet_as_over_gloo() -> None:
     assert ours["losses"] == pytest.approx(gloo["losses"], rel=1e-4)
     assert ours["totals"]["calls_allgather"] > 0  # FSDP's all-gathers came through us
     assert ours["totals"]["calls_reduce_scatter"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2 * RUN_S)
+def test_torchrun_max_restarts_restarts_the_group_which_meets_again() -> None:
+    """Rank 1 dies at step 3 of its first attempt: torchrun stops the group and starts
+    it again (``--max-restarts 1``); the new incarnation meets through the same agent
+    store (keys carry the restart count) and finishes, every replica the same."""
+    outs = _torchrun_all(HERE / "_ddp_churn_worker.py", 2, "10", "1", "3", max_restarts=1)
+    assert sorted(o["rank"] for o in outs) == [0, 1]
+    assert all(o["restart"] == 1 for o in outs)
+    assert all(o["steps"] == 10 for o in outs)
+    assert outs[0]["digest"] == outs[1]["digest"]
 
 
 def _ranks(
