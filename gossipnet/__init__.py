@@ -14,6 +14,7 @@ from gossipnet.clock import Clock, FakeClock, MonotonicClock
 from gossipnet.collectives.compress import DCT, Accordion, ArcTopK, Int8
 from gossipnet.collectives.sparq.config import SparQ
 from gossipnet.config import Config
+from gossipnet.distributed import register as _register_torch_backend
 from gossipnet.errors import (
     ClosedError,
     ConfigError,
@@ -35,6 +36,8 @@ from gossipnet.training.replicas import ReplicaCheck
 from gossipnet.transport.faults import Crash, FaultPlan, GilbertElliott, Partition
 
 __version__ = "0.1.0"
+
+_register_torch_backend()  # dist.init_process_group("gossipnet"); imports nothing more
 
 __all__ = (
     "DCT",
