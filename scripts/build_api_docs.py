@@ -52,6 +52,15 @@ def _walked_by_pdoc(name: str) -> set[str]:
     return found
 
 
+def _resolve_lazy_exports(name: str) -> None:
+    """Resolve the names a module exports lazily (a module ``__getattr__``, as
+    ``gossipnet.distributed`` does to keep ``import gossipnet`` cheap): pdoc reads a
+    module's ``__dict__``, and such a name is there only once it has been asked for."""
+    module = importlib.import_module(name)
+    for export in getattr(module, "__all__", ()):
+        getattr(module, export, None)
+
+
 def module_specs() -> list[str]:
     """pdoc's module specs: every public module once, private ones excluded.
 
@@ -66,6 +75,7 @@ def module_specs() -> list[str]:
     specs: list[str] = []
     reached: set[str] = set()
     for name in sorted(filter(_is_public, names)):
+        _resolve_lazy_exports(name)
         if name not in reached:
             specs.append(name)
             reached |= _walked_by_pdoc(name)

@@ -86,12 +86,16 @@ def totals(group: Any = None) -> dict[str, int]:
 
 def __getattr__(name: str) -> Any:
     """The classes, imported on first use (not at ``import gossipnet``)."""
+    found: Any
     if name == "GossipnetOptions":
         from gossipnet.distributed.options import GossipnetOptions
 
-        return GossipnetOptions
-    if name == "ProcessGroupGossipnet":
+        found = GossipnetOptions
+    elif name == "ProcessGroupGossipnet":
         from gossipnet.distributed.process_group import ProcessGroupGossipnet
 
-        return ProcessGroupGossipnet
-    raise AttributeError(name)
+        found = ProcessGroupGossipnet
+    else:
+        raise AttributeError(name)
+    globals()[name] = found  # once: later lookups (and pdoc) find it in the module
+    return found
