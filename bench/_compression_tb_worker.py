@@ -167,7 +167,11 @@ class _Host:
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            ddp = DDP(model, process_group=self.group)
+            # One bucket: with DDP's default small first bucket, two buckets' hook chains
+            # issue gloo ops from different threads in different orders on different
+            # ranks (PowerSGD's callbacks start the P and Q all-reduces), and gloo then
+            # deadlocks or fails with a size mismatch (seen with torch 2.13 here).
+            ddp = DDP(model, process_group=self.group, bucket_cap_mb=64)
             state = ps.PowerSGDState(
                 process_group=self.group,
                 matrix_approximation_rank=int(method.removeprefix("powersgd") or 1),

@@ -241,7 +241,8 @@ def run_testbed(a: Any) -> dict[str, Any]:
         }
     t_start = time.monotonic()
     _, losses, _, _ = _plan(a)
-    with Testbed(hosts=4, mtu=9000) as tb:
+    with Testbed(hosts=4, mtu=9000, keep_logs=bool(os.environ.get("CTT_KEEP_LOGS"))) as tb:
+        print(f"run dir: {tb.run_dir}", flush=True)
         checks = []
         for loss in losses:
             tb.set_loss(None, loss)
