@@ -27,7 +27,8 @@ per step (``process_time`` of each host's process, all threads, mean over
 hosts), the machine's 1-minute load.  Per cell, the median and spread over
 ``--tb-reps`` reps.  JSON keys ``speedup_vs_gloo_capped_1pct`` and
 ``speedup_vs_powersgd_capped_1pct``: their time to target / ArcTopK's, at
-20 Mbit/s and 1% loss.
+20 Mbit/s and 1% loss; ``by_method_capped_1pct`` the same for every gossipnet
+method run (e.g. ``gn_dct``).
 """
 
 from __future__ import annotations
@@ -225,6 +226,14 @@ def summarise_tb(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "speedup_vs_powersgd_capped_1pct": psgd["value"],
         "speedup_vs_powersgd_capped_1pct_bound": psgd["bound"],
         "targets": {"speedup_vs_gloo_capped_1pct": 5.0, "speedup_vs_powersgd_capped_1pct": 2.0},
+        "by_method_capped_1pct": {
+            m: {
+                "vs_gloo": speedup(cells.get(f"{cap:g}/{loss:g}/gloo"), cells[k]),
+                "vs_powersgd": speedup(cells.get(f"{cap:g}/{loss:g}/powersgd1"), cells[k]),
+            }
+            for k in cells
+            if k.startswith(f"{cap:g}/{loss:g}/gn_") and (m := k.rsplit("/", 1)[1])
+        },
         "cells": cells,
     }
 

@@ -112,3 +112,17 @@ def test_compression_bench_help_lists_the_testbed_flags() -> None:
     ).stdout
     for flag in ("--testbed", "--caps", "--tb-losses", "--methods", "--target", "--tb-reps"):
         assert flag in out
+
+
+def test_summary_headline_keys_are_theirs_over_arctopk_at_20_mbit_1pct(tb: ModuleType) -> None:
+    def run(method: str, s: float, cap: float = 20.0) -> dict[str, object]:
+        return {"cap": cap, "loss_rate": 0.01, "method": method, "seconds": s, "steps": 10,
+                "s_per_step": s / 10, "cpu_per_step": 0.01, "wire_bytes_per_step": 1.0,
+                "load": 1.0, "reached": True, "loss": 1.0}  # fmt: skip
+
+    runs = [run("gn_arctopk", 2.0), run("gn_dct", 1.0), run("gloo", 12.0), run("powersgd1", 5.0)]
+    runs.append(run("gloo", 1.0, cap=100.0))  # another cap: not the headline
+    out = tb.summarise_tb(runs)
+    assert out["speedup_vs_gloo_capped_1pct"] == pytest.approx(6.0)
+    assert out["speedup_vs_powersgd_capped_1pct"] == pytest.approx(2.5)
+    assert out["by_method_capped_1pct"]["gn_dct"]["vs_gloo"]["value"] == pytest.approx(12.0)
