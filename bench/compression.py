@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, when imported from elsewhere
 
 from _common import bench_parser, emit_json
+from _compression_testbed import add_testbed_args
 
 import gossipnet
 from gossipnet.demo.harness import (
@@ -212,7 +213,9 @@ def run_setting(s: Setting) -> Result:
 
 def run_testbed(args: Any) -> dict[str, Any]:
     """Hook for the time-to-target part on the namespace testbed (another part of #22)."""
-    raise SystemExit("--testbed: the namespace-testbed timing part is not built in this file yet")
+    from _compression_testbed import run_testbed as run_capped
+
+    return run_capped(args)
 
 
 # ---------------------------------------------------------------------- summary
@@ -285,6 +288,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=16, help="ArcTopK block (elements)")
     parser.add_argument("--eta", type=float, default=1.0, help="ArcTopK EF21M momentum")
     parser.add_argument("--testbed", action="store_true", help="the timing part (not built here)")
+    add_testbed_args(parser)
     args = parser.parse_args()
     if args.testbed:
         emit_json(run_testbed(args))

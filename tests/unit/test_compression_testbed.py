@@ -1,0 +1,128 @@
+"""bench/compression.py --testbed's arithmetic: /proc/net/dev parsing, time to target,
+the stop rule and the speedup bounds (bench/_compression_testbed.py,
+bench/_compression_tb_worker.py), and the bench's ``--help``.
+
+The timing run itself needs root and minutes on the namespace testbed; what turns
+its measurements into figures does not, so it is checked here on made-up numbers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+NET_DEV = (
+    "Inter-|   Receive     |  Transmit\n"
+    " face |bytes packets errs drop fifo frame compressed multicast|bytes packets ...\n"
+    "    lo: 100 2 0 0 0 0 0 0 100 2 0 0 0 0 0 0\n"
+    "  eth0: 5000000 4000 0 0 0 0 0 0 7000123 5000 0 3 0 0 0 0\n"
+)
+
+
+@pytest.fixture(scope="module")
+def tb() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import _compression_testbed
+
+        return _compression_testbed
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+@pytest.fixture(scope="module")
+def worker(tb: ModuleType) -> ModuleType:
+    return sys.modules["_compression_tb_worker"]
+
+
+def test_parse_net_dev_reads_rx_and_tx_bytes(worker: ModuleType) -> None:
+    parsed = worker.parse_net_dev(NET_DEV)
+    assert parsed == {"lo": (100, 100), "eth0": (5_000_000, 7_000_123)}
+
+
+def test_parse_net_dev_rejects_a_short_line(worker: ModuleType) -> None:
+    with pytest.raises(ValueError, match="eth0"):
+        worker.parse_net_dev(NET_DEV + "  eth0: 1 2 3\n")
+
+
+def test_time_to_target_takes_the_slowest_host_and_first_hit(tb: ModuleType) -> None:
+    # two hosts, segments [step, seconds, cpu, loss]; mean loss hits 1.2 at step 10
+    a = [[5, 1.0, 0.1, 1.5], [10, 1.0, 0.1, 1.1], [15, 9.0, 0.1, 1.0]]
+    b = [[5, 2.0, 0.3, 1.5], [10, 0.5, 0.3, 1.2], [15, 9.0, 0.3, 1.0]]
+    out = tb.time_to_target([a, b], target=1.2)
+    assert out["reached"] is True
+    assert out["steps"] == 10
+    assert out["seconds"] == pytest.approx(3.0)  # max(1, 2) + max(1, 0.5)
+    assert out["s_per_step"] == pytest.approx(0.3)
+    assert out["cpu_per_step"] == pytest.approx(0.4 / 10)
+    assert out["loss"] == pytest.approx(1.15)
+
+
+def test_time_to_target_missed_is_a_lower_bound(tb: ModuleType) -> None:
+    a = [[5, 1.0, 0.1, 2.0], [10, 1.0, 0.1, 1.9]]
+    out = tb.time_to_target([a, a], target=1.2)
+    assert out["reached"] is False
+    assert (out["steps"], out["seconds"]) == (10, pytest.approx(2.0))
+
+
+def test_stop_rule_is_the_same_numbers_for_every_rank(worker: ModuleType) -> None:
+    evals = [{"loss": 1.1, "s": 3.0}, {"loss": 1.4, "s": 4.0}]
+    assert not worker.should_stop(evals, 10, target=1.2, max_steps=100, max_s=60.0)
+    assert worker.should_stop(evals, 10, target=1.25, max_steps=100, max_s=60.0)
+    assert worker.should_stop(evals, 100, target=1.2, max_steps=100, max_s=60.0)
+    assert worker.should_stop(evals, 10, target=1.2, max_steps=100, max_s=4.0)  # slowest rank
+
+
+def test_speedup_marks_bounds(tb: ModuleType) -> None:
+    ours = {"seconds": 5.0, "reached": True}
+    assert tb.speedup({"seconds": 20.0, "reached": True}, ours) == {"value": 4.0, "bound": "exact"}
+    assert tb.speedup({"seconds": 20.0, "reached": False}, ours)["bound"] == ">="
+    missed = {"seconds": 10.0, "reached": False}
+    assert tb.speedup({"seconds": 20.0, "reached": True}, missed)["bound"] == "<="
+    assert tb.speedup({"seconds": 20.0, "reached": False}, missed)["value"] is None
+    assert tb.speedup(None, ours)["value"] is None
+
+
+def test_cell_summary_median_and_range(tb: ModuleType) -> None:
+    def run(s: float) -> dict[str, float | bool]:
+        return {"seconds": s, "steps": 10, "s_per_step": s / 10, "cpu_per_step": 0.01,
+                "wire_bytes_per_step": 1e5, "load": 4.0, "reached": True, "loss": 1.1}  # fmt: skip
+
+    cell = tb.cell_summary([run(3.0), run(5.0), {"error": "timeout"}])
+    assert cell["seconds"] == 4.0
+    assert cell["seconds_range"] == [3.0, 5.0]
+    assert cell["errors"] == ["timeout"]
+    assert cell["reps"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_compression_bench_help_lists_the_testbed_flags() -> None:
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "compression.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    for flag in ("--testbed", "--caps", "--tb-losses", "--methods", "--target", "--tb-reps"):
+        assert flag in out
+
+
+def test_summary_headline_keys_are_theirs_over_arctopk_at_20_mbit_1pct(tb: ModuleType) -> None:
+    def run(method: str, s: float, cap: float = 20.0) -> dict[str, object]:
+        return {"cap": cap, "loss_rate": 0.01, "method": method, "seconds": s, "steps": 10,
+                "s_per_step": s / 10, "cpu_per_step": 0.01, "wire_bytes_per_step": 1.0,
+                "load": 1.0, "reached": True, "loss": 1.0}  # fmt: skip
+
+    runs = [run("gn_arctopk", 2.0), run("gn_dct", 1.0), run("gloo", 12.0), run("powersgd1", 5.0)]
+    runs.append(run("gloo", 1.0, cap=100.0))  # another cap: not the headline
+    out = tb.summarise_tb(runs)
+    assert out["speedup_vs_gloo_capped_1pct"] == pytest.approx(6.0)
+    assert out["speedup_vs_powersgd_capped_1pct"] == pytest.approx(2.5)
+    assert out["by_method_capped_1pct"]["gn_dct"]["vs_gloo"]["value"] == pytest.approx(12.0)
