@@ -25,7 +25,7 @@ step / ARC-Top-K bytes per step, demo task, 0% loss), ``rel_quality_10pct``
 ``accordion_bytes_ratio`` (bytes of the cheapest static ArcTopK setting whose
 final quality is within 1% of Accordion's, / Accordion's bytes; null if none),
 and ``rows``.  The time-to-target part on the namespace testbed (capped links,
-gloo and DDP+PowerSGD baselines) is a separate part (``--testbed``), not here.
+gloo and DDP+PowerSGD baselines) is ``--testbed`` (``_compression_testbed.py``).
 
     .venv/bin/python bench/compression.py --quick        # the regression task, 60 steps, ~1 min
     .venv/bin/python bench/compression.py                # both tasks, longer runs
@@ -287,7 +287,7 @@ def main() -> None:
     parser.add_argument("--chunk-bytes", type=int, default=4096)
     parser.add_argument("--block", type=int, default=16, help="ArcTopK block (elements)")
     parser.add_argument("--eta", type=float, default=1.0, help="ArcTopK EF21M momentum")
-    parser.add_argument("--testbed", action="store_true", help="the timing part (not built here)")
+    parser.add_argument("--testbed", action="store_true", help="the time-to-target part on the namespace testbed (root; bench/_compression_testbed.py)")
     add_testbed_args(parser)
     args = parser.parse_args()
     if args.testbed:
