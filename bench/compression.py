@@ -287,7 +287,11 @@ def main() -> None:
     parser.add_argument("--chunk-bytes", type=int, default=4096)
     parser.add_argument("--block", type=int, default=16, help="ArcTopK block (elements)")
     parser.add_argument("--eta", type=float, default=1.0, help="ArcTopK EF21M momentum")
-    parser.add_argument("--testbed", action="store_true", help="the time-to-target part on the namespace testbed (root; bench/_compression_testbed.py)")
+    parser.add_argument(
+        "--testbed",
+        action="store_true",
+        help="time to target on the namespace testbed (root; bench/_compression_testbed.py)",
+    )
     add_testbed_args(parser)
     args = parser.parse_args()
     if args.testbed:
