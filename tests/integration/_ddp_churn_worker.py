@@ -43,19 +43,20 @@ def main() -> None:
         opt.step()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters()))
     totals = gdist.totals()
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                "steps": steps,
-                "after_death_s": time.monotonic() - t_death if t_death else None,
-                "rounds_missing_peers": totals.get("rounds_missing_peers", 0),
-                "digest": digest.hexdigest(),
-            }
-        ),
-        flush=True,
+    # one write() of one line: both ranks share torchrun's stdout, and print() may
+    # write the text and its newline separately, so two ranks' lines could interleave
+    line = json.dumps(
+        {
+            "rank": rank,
+            "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "steps": steps,
+            "after_death_s": time.monotonic() - t_death if t_death else None,
+            "rounds_missing_peers": totals.get("rounds_missing_peers", 0),
+            "digest": digest.hexdigest(),
+        }
     )
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 
