@@ -21,7 +21,7 @@ import torch
 from gossipnet.collectives.lossy import repair as _repair
 from gossipnet.collectives.lossy.context import PhaseName
 from gossipnet.collectives.lossy.cut import ReorderWindow, wait_phase
-from gossipnet.collectives.lossy.gather import all_gather, on_ag
+from gossipnet.collectives.lossy.gather import all_gather, replay_ag
 from gossipnet.collectives.lossy.intake import Intake
 from gossipnet.collectives.lossy.layout import layout_failure
 from gossipnet.collectives.lossy.loss_watch import END_COPIES as END_COPIES
@@ -234,8 +234,7 @@ class LossyAllReduce(Intake):
             self._dispatch(rnd, pkt)
         await send_rs(self, rnd, weight)
         rnd.sending = False
-        for pkt in rnd.pending_ag:
-            on_ag(self, rnd, pkt)
+        replay_ag(self, rnd, rnd.pending_ag)
         rnd.pending_ag.clear()
         return await wait_phase(
             self.node,

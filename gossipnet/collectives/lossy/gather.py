@@ -41,7 +41,7 @@ from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
-__all__ = ("all_gather", "announce_ag_end", "on_ag", "on_ag_batch", "send_ag")
+__all__ = ("all_gather", "announce_ag_end", "on_ag", "on_ag_batch", "replay_ag", "send_ag")
 
 
 async def all_gather(
@@ -310,6 +310,27 @@ def on_ag_batch(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
             _counted_ag(ctx, rnd, pkt.src, b, c)
     for b, chunks in writes.items():
         _write_chunks(rnd, b, chunks)
+
+
+def replay_ag(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
+    """The all-gather packets held while we were still sending, in arrival order.
+
+    Why in runs: on a paced or busy link most of a round's broadcast can arrive
+    before our own reduce-scatter is out, and these were then taken one call
+    chain per packet.  Plain chunks go through :func:`on_ag_batch` in runs;
+    parity and compressed packets (``"g"``, ``"z"``) through :func:`on_ag`.
+    """
+    run: list[Packet] = []
+    for pkt in pkts:
+        if "g" in pkt.fields or "z" in pkt.fields:
+            if run:
+                on_ag_batch(ctx, rnd, run)
+                run = []
+            on_ag(ctx, rnd, pkt)
+        else:
+            run.append(pkt)
+    if run:
+        on_ag_batch(ctx, rnd, run)
 
 
 def _finite_rows(rnd: Round, items: list[tuple[int, torch.Tensor]]) -> list[bool]:
