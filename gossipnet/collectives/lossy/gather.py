@@ -32,6 +32,7 @@ from gossipnet.collectives.lossy.packets import (
     YIELD_EVERY,
     Send,
     chunk_of,
+    compressed_fields,
     send_copies,
     send_copy,
 )
@@ -254,17 +255,11 @@ def _compressed_chunk(
     Checked for ownership and duplicates before decoding: decoding acts on the
     compressor's state (the next index set, the answers about our contributions).
     """
-    codec, f = rnd.codec, pkt.fields
-    b, c, z = f.get("b"), f.get("c"), f.get("z")
-    if codec is None or not isinstance(z, int):
-        ctx.dropped["compressed_kind"] += 1
+    got = compressed_fields(ctx.dropped, rnd, pkt)
+    if got is None or rnd.codec is None:
         return None
-    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
-        ctx.dropped["bad_chunk"] += 1
-        return None
-    if not 0 <= c < rnd.plans[b].nchunks:
-        ctx.dropped["bad_chunk"] += 1
-        return None
+    b, c, z = got
+    codec = rnd.codec
     if c in rnd.owned[b] or c not in rnd.maps[b].chunks_of(pkt.src):
         ctx.dropped["not_owner"] += 1
         return None

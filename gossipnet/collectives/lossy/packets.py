@@ -36,6 +36,7 @@ __all__ = (
     "Send",
     "chunk_of",
     "chunk_sizes",
+    "compressed_fields",
     "send_copies",
     "send_copy",
 )
@@ -165,3 +166,25 @@ def chunk_sizes(
         fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
         for b in src
     ]
+
+
+def compressed_fields(
+    dropped: collections.Counter[str], rnd: Round, pkt: Packet
+) -> tuple[int, int, int] | None:
+    """A compressed packet's ``(bucket, chunk, payload kind)``, in range for ``rnd``;
+    None (counted: ``compressed_kind``, ``bad_chunk``) where they are not.
+
+    The checks both phases make before their own (ownership, duplicates, decoding).
+    """
+    f = pkt.fields
+    b, c, z = f.get("b"), f.get("c"), f.get("z")
+    if rnd.codec is None or not isinstance(z, int):
+        dropped["compressed_kind"] += 1
+        return None
+    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
+        dropped["bad_chunk"] += 1
+        return None
+    if not 0 <= c < rnd.plans[b].nchunks:
+        dropped["bad_chunk"] += 1
+        return None
+    return b, c, z

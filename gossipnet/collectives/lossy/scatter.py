@@ -25,6 +25,7 @@ from gossipnet.collectives.lossy.packets import (
     YIELD_EVERY,
     Send,
     chunk_of,
+    compressed_fields,
     send_copies,
     send_copy,
 )
@@ -256,16 +257,13 @@ def _compressed_part(ctx: PhaseContext, rnd: Round, pkt: Packet, w: float) -> Rs
     One without usable values (only a sketch, another index set) still arrives,
     with weight 0: its sender is complete, and nothing of it is added.
     """
-    codec, f = rnd.codec, pkt.fields
-    b, c, z = f.get("b"), f.get("c"), f.get("z")
-    if codec is None or not isinstance(z, int):
-        ctx.dropped["compressed_kind"] += 1
+    fields = compressed_fields(ctx.dropped, rnd, pkt)
+    if fields is None or rnd.codec is None:
         return None
-    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
-        ctx.dropped["bad_chunk"] += 1
-        return None
-    if not 0 <= c < rnd.plans[b].nchunks or c not in rnd.owned[b]:
-        ctx.dropped["not_owner" if 0 <= c < rnd.plans[b].nchunks else "bad_chunk"] += 1
+    b, c, z = fields
+    codec = rnd.codec
+    if c not in rnd.owned[b]:
+        ctx.dropped["not_owner"] += 1
         return None
     if rnd.reducers[b].has(pkt.src, c):
         ctx.dropped["duplicate"] += 1
