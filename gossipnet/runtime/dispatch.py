@@ -175,6 +175,38 @@ class PacketIO:
                 sent += self.transport.send(address, frames)
         return sent
 
+    def encode_run(
+        self,
+        peer_ids: Sequence[str],
+        kind: int,
+        common: Mapping[str, Any],
+        rows: Sequence[tuple[int, int, int]],
+        payloads: Sequence[Buffer],
+    ) -> list[list[Buffer]]:
+        """:meth:`encode_for` of a run of data packets (``WireCodec.encode_run``):
+        the same packets, the locality test made once for the run."""
+        transport, members = self.transport, self.membership
+        local = (
+            transport is not None
+            and members is not None
+            and bool(peer_ids)
+            and all(transport.is_local(members.address_of(p) or "") for p in peer_ids)
+        )
+        dst = peer_ids[0] if len(peer_ids) == 1 else peer_ids
+        return self.codec.encode_run(kind, common, rows, payloads, local=local, dst=dst)
+
+    def send_batch(self, peer_ids: Sequence[str], packets: Sequence[list[Buffer]]) -> int:
+        """:meth:`send_frames` of each of ``packets``, handed to the transport per
+        destination as a run (``Transport.send_batch``); how many were accepted."""
+        if self.transport is None or self.closed or not packets:
+            return 0
+        sent = 0
+        for peer_id in peer_ids:
+            address = self.membership.address_of(peer_id) if self.membership else None
+            if address is not None:
+                sent += self.transport.send_batch(address, packets)
+        return sent
+
     def send_to_address(
         self,
         address: str,

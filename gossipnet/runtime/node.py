@@ -50,7 +50,8 @@ class Node:
     """Transport + wire + membership + dispatch for one peer.
 
     Besides its own methods it offers its parts' (bound once, see the module):
-    ``send``, ``send_many``, ``send_frames``, ``encode_for``, ``send_to_address``,
+    ``send``, ``send_many``, ``send_frames``, ``encode_for``, ``encode_run``,
+    ``send_batch``, ``send_to_address``,
     ``subscribe``, ``unsubscribe`` (:class:`PacketIO`); ``send_reliable``
     (:class:`Reliable`); ``alive_peers``, ``on_membership``, ``on_heartbeat``,
     ``wait_for_peers`` (:class:`MembershipProtocol`).  ``transport``,
@@ -96,6 +97,8 @@ class Node:
         self.send_many = io.send_many
         self.send_frames = io.send_frames
         self.encode_for = io.encode_for
+        self.encode_run = io.encode_run
+        self.send_batch = io.send_batch
         self.send_to_address = io.send_to_address
         self.subscribe = io.subscribe
         self.subscribe_batch = io.subscribe_batch

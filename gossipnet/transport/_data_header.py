@@ -45,6 +45,7 @@ __all__ = (
     "HAS_Z",
     "MAGIC",
     "pack",
+    "repack",
     "run_tag",
 )
 
@@ -114,3 +115,19 @@ def pack(
         r, lay, b, c, n, float(w if w is not None else 0.0),
     )  # fmt: skip
     return b"".join((head, src, tags or b""))
+
+
+def repack(head: bytes, rows: list[tuple[int, int, int, int]]) -> list[bytes]:
+    """Headers like the fixed header ``head`` with (seq, bucket, chunk, count) of ``rows``.
+
+    Why: the data packets of one phase to one destination share every field but
+    those four, so the first header is built (and checked) by :func:`pack` and
+    the rest are one ``struct`` call each, with no per-packet field checks.
+    Each row's values must fit a u64 (seq) and u32 (the others); the caller
+    checks the run's extremes once.
+    """
+    f = FIXED.unpack_from(head)
+    pre, (r, lay), w = f[:12], f[13:15], f[18]
+    tail = head[FIXED.size :]
+    fmt = FIXED.pack
+    return [fmt(*pre, q, r, lay, b, c, n, w) + tail for q, b, c, n in rows]

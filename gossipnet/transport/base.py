@@ -128,6 +128,16 @@ class Transport(abc.ABC):
         Backends without a user-space send queue ignore it.
         """
 
+    def send_batch(self, dst: str, packets: Sequence[Sequence[Buffer]]) -> int:
+        """Queue several data packets for ``dst``; how many were handed to the backend.
+
+        Each packet is its own datagram or message, exactly as :meth:`send` sends
+        it (and counts its drops): a backend that can take a run at once (the
+        UDP backend resolves ``dst`` and checks sizes once) overrides this.
+        """
+        send = self.send
+        return sum(send(dst, frames) for frames in packets)
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop delivery, close sockets with zero linger; idempotent."""

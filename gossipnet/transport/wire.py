@@ -276,6 +276,61 @@ class WireCodec:
             return [head, payload, self._unsigned]
         return [head, payload, self._signer.sign(head, payload) + self._fingerprint]
 
+    def encode_run(
+        self,
+        kind: int,
+        common: Mapping[str, Any],
+        rows: Sequence[tuple[int, int, int]],
+        payloads: Sequence[Buffer],
+        *,
+        local: bool = False,
+        dst: str | Sequence[str] | None = None,
+    ) -> list[list[Buffer]]:
+        """Frames of data packets that differ only in bucket, chunk, count and payload.
+
+        ``rows[i]`` is packet ``i``'s ``(b, c, n)``; ``common`` its other fields.
+        The same packets as :meth:`encode` called once per row (same checks, own
+        sequence numbers and MACs), built per run: the first header is packed
+        and checked as usual, the others are one ``struct`` call each after one
+        range check of the run (:func:`._data_header.repack`).  Where the fields
+        do not fit the fixed header, every packet takes :meth:`encode`.
+
+        Raises:
+            ValueError, TypeError: as :meth:`encode`.
+        """
+        if not rows:
+            return []
+        if len(rows) != len(payloads):
+            raise ValueError(f"{len(rows)} rows for {len(payloads)} payloads")
+        b0, c0, n0 = rows[0]
+        first = self.encode(kind, {**common, "b": b0, "c": c0, "n": n0}, payloads[0],
+                            local=local, dst=dst)  # fmt: skip
+        head = first[0]
+        flat = [v for row in rows[1:] for v in row]
+        if (
+            not isinstance(head, bytes)
+            or head[0] != _fixed.MAGIC
+            or (flat and not (min(flat) >= 0 and max(flat) <= 0xFFFF_FFFF))
+            or any(type(v) is not int for v in flat)
+        ):
+            return [first] + [
+                self.encode(kind, {**common, "b": b, "c": c, "n": n}, pl, local=local, dst=dst)
+                for (b, c, n), pl in zip(rows[1:], payloads[1:], strict=True)
+            ]
+        views = [_as_bytes_view(pl) if isinstance(pl, memoryview) else pl for pl in payloads[1:]]
+        if views and max(len(v) for v in views) > self.config.max_payload_bytes:
+            raise ValueError("payload > Config.max_payload_bytes; send smaller chunks")
+        seq = self._seq
+        heads = _fixed.repack(head, [(next(seq), b, c, n) for b, c, n in rows[1:]])
+        out: list[list[Buffer]] = [first]
+        if local:
+            unsigned = self._unsigned
+            out += [[h, v, unsigned] for h, v in zip(heads, views, strict=True)]
+        else:
+            sign, fp = self._signer.sign, self._fingerprint
+            out += [[h, v, sign(h, v) + fp] for h, v in zip(heads, views, strict=True)]
+        return out
+
     # ------------------------------------------------------------------ decode
     def decode(self, frames: Sequence[Buffer], *, local: bool = False) -> Packet | None:
         """Check and parse one received packet; ``None`` if rejected (counted, logged).

@@ -7,6 +7,7 @@ A fake socket stands in for the kernel, so each refusal is replayed exactly.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -20,6 +21,7 @@ from gossipnet.clock import FakeClock
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
 from gossipnet.transport.base import TransportStats
+from gossipnet.transport.udp.backend import UdpTransport
 from gossipnet.transport.udp.gso import (
     MAX_SEGMENTS,
     SOL_UDP,
@@ -252,3 +254,40 @@ def test_config_udp_gso_must_be_a_bool() -> None:
     assert Config(udp_gso=False).udp_gso is False
     with pytest.raises(ConfigError, match="udp_gso"):
         Config(udp_gso=1)  # type: ignore[arg-type]
+
+
+def test_send_batch_delivers_each_packet_and_counts_the_oversized(run_async: Any) -> None:
+    """``UdpTransport.send_batch``: one lookup for a run, the same datagrams and drops
+    as :meth:`send` per packet: every packet arrives whole and in order, an
+    oversized one is a counted drop, an unknown address counts every packet."""
+
+    async def main() -> tuple[list[bytes], int, Any, int]:
+        got: list[bytes] = []
+        done = asyncio.Event()
+        rx = UdpTransport(Config())
+
+        def on_packet(frames: list[memoryview]) -> None:
+            got.append(bytes(frames[1]))
+            if len(got) == 5:
+                done.set()
+
+        dst = await rx.start(on_packet)
+        tx = UdpTransport(Config())
+        await tx.start(lambda frames: None)
+        packets = [[b"h%d" % i, bytes([i]) * 8000] for i in range(5)]
+        packets.insert(2, [b"big", b"\x00" * 70_000])  # over a datagram: dropped, counted
+        accepted = tx.send_batch(dst, packets)
+        await asyncio.wait_for(done.wait(), 10.0)
+        unreachable = tx.send_batch("tcp://127.0.0.1:1", packets[:2])  # not a udp address
+        stats = tx.stats
+        await tx.close()
+        await rx.close()
+        return got, accepted, stats, unreachable
+
+    got, accepted, stats, unreachable = run_async(main())
+    assert accepted == 5
+    assert stats.sent_packets == 5
+    assert stats.dropped_oversize == 1
+    assert got == [bytes([i]) * 8000 for i in range(5)]
+    assert unreachable == 0
+    assert stats.dropped_unreachable == 2

@@ -226,12 +226,9 @@ class LossyAllReduce(Intake):
         change contributions not sent yet.
         """
         rnd.rs.start = self.node.clock.now()
-        for pkt in self._buffered.pop(rnd.r, []):
-            self._nbuffered -= 1
-            if pkt.fields.get("m", 0) != rnd.mode:
-                self.dropped["mode_mismatch"] += 1
-                continue
-            self._dispatch(rnd, pkt)
+        early = self._buffered.pop(rnd.r, [])
+        self._nbuffered -= len(early)
+        self._replay_early(rnd, early)
         await send_rs(self, rnd, weight)
         rnd.sending = False
         replay_ag(self, rnd, rnd.pending_ag)

@@ -81,6 +81,30 @@ class Intake:
         if run:
             self._flush(rnd, run_kind, run)  # type: ignore[arg-type]
 
+    def _replay_early(self, rnd: Round, pkts: list[Packet]) -> None:
+        """Packets of ``rnd`` that came before we started it, in arrival order.
+
+        Reduce-scatter chunks go in runs (:func:`.scatter.accept_rs_batch`): on a
+        busy machine most of a round's contributions can arrive before our own
+        compute ends, and one call chain per chunk cost as much as the drain
+        that buffered them.  Every other packet takes :meth:`_dispatch`.
+        """
+        run: list[Packet] = []
+        rs = self.k.rs_data
+        for pkt in pkts:
+            if pkt.fields.get("m", 0) != rnd.mode:
+                self.dropped["mode_mismatch"] += 1
+                continue
+            if self._fast_kind(rnd, pkt) == rs:
+                run.append(pkt)
+                continue
+            if run:
+                self._flush(rnd, rs, run)
+                run = []
+            self._dispatch(rnd, pkt)
+        if run:
+            self._flush(rnd, rs, run)
+
     def _flush(self, rnd: Round, kind: int, run: list[Packet]) -> None:
         if kind == self.k.ag_data:
             now = self.node.clock.now()

@@ -70,31 +70,31 @@ async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
         for owner in smap.participants
         if group_count(len(smap.chunks_of(owner)), k)
     }  # fmt: skip
-    for sent, (owner, b, c) in enumerate(rs_order(rnd), 1):
-        plan = rnd.plans[b]
-        raw, code = raws[b], codes[b]
-        _, count = plan.chunk(c)
-        if rnd.codec is not None:
-            frames = compressed_rs(ctx, rnd, owner, b, c, weight)
-        else:
-            fields = {
-                **rnd.ident,
-                "b": b,
-                "c": c,
-                "w": weight,
-                "dt": code,
-                "n": count,
-            }
-            if (owner, b) in fec:
-                fields["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
-            frames = node.encode_for((owner,), kind, fields, raw[plan.byte_slice(c)])
-        rnd.sent += node.send_frames((owner,), frames)
-        if copies is not None:
-            copies.append(((owner,), frames))
-            if len(copies) > COPY_LAG:
-                send_copy(node, rnd, copies.popleft())
-        per_dest[owner] += 1
-        if sent % YIELD_EVERY == 0:
+    order = rs_order(rnd)
+    for start in range(0, len(order), YIELD_EVERY):
+        # a slice of the round-robin, sent per (owner, bucket) as one run
+        groups: dict[tuple[str, int], list[int]] = {}
+        for owner, b, c in order[start : start + YIELD_EVERY]:
+            groups.setdefault((owner, b), []).append(c)
+        for (owner, b), chunks in groups.items():
+            if rnd.codec is not None:
+                packets = [compressed_rs(ctx, rnd, owner, b, c, weight) for c in chunks]
+            else:
+                plan, raw = rnd.plans[b], raws[b]
+                common = {**rnd.ident, "w": weight, "dt": codes[b]}
+                if (owner, b) in fec:
+                    common["x"] = rnd.fec_k  # parity follows: keep this payload to recover with
+                rows = [(b, c, plan.chunk(c)[1]) for c in chunks]
+                payloads = [raw[plan.byte_slice(c)] for c in chunks]
+                packets = node.encode_run((owner,), kind, common, rows, payloads)
+            rnd.sent += node.send_batch((owner,), packets)
+            per_dest[owner] += len(packets)
+            if copies is not None:
+                for frames in packets:
+                    copies.append(((owner,), frames))
+                    if len(copies) > COPY_LAG:
+                        send_copy(node, rnd, copies.popleft())
+        if len(order) - start >= YIELD_EVERY:  # after every YIELD_EVERY packets
             await asyncio.sleep(0)
     if rnd.fec_k:
         await _send_rs_parity(ctx, rnd, raws, codes, weight)

@@ -430,6 +430,29 @@ class UdpTransport(Transport):
             return False
         return True
 
+    def send_batch(self, dst: str, packets: Sequence[Sequence[Buffer]]) -> int:
+        """:meth:`send` for a run of packets to ``dst``: one address lookup, and
+        straight into the GSO batch sender; same datagrams, same counted drops."""
+        batch = self._batch
+        addr = self._addrs.get(dst) if batch is not None and self._sock is not None else None
+        if addr is None or batch is None:
+            return super().send_batch(dst, packets)
+        sent = 0
+        for frames in packets:
+            count = len(frames)
+            lengths = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
+            nbytes = sum(lengths)
+            if (
+                not 0 < count <= _MAX_FRAMES
+                or 1 + 4 * count + nbytes > MAX_DATAGRAM_BYTES
+                or (nbytes > _MAX_PACKET_BYTES)
+            ):
+                sent += self.send(dst, frames)  # counts the drop it is
+                continue
+            data = b"".join([_HEADERS[count].pack(count, *lengths), *frames])
+            sent += batch.submit(addr, data, nbytes)
+        return sent
+
     def _emit(self, addr: SockAddr, data: bytes) -> bool:
         """``sendto`` now; counts the packet as sent or as the drop the kernel reports."""
         stats = self.stats
