@@ -195,8 +195,13 @@ def _wait(ctrl: Path, names: list[str], tasks: list[Any], deadline_s: float) -> 
     return [json.loads(p.read_text()) for p in paths]
 
 
+def _values_of(method: str, values: str) -> str | None:
+    """The value codec a method's run used: gossipnet's sparse compressors only."""
+    return values if method in ("gn_arctopk", "gn_dct") else None
+
+
 def _line(cap: float, loss: float, method: str, r: dict[str, Any]) -> str:
-    head = f"{cap:>6g} Mbit/s {loss:>4.0%} {method:<11} {r['optim']:<4} {r['values']:<4}"
+    head = f"{cap:>6g} Mbit/s {loss:>4.0%} {method:<11} {r['optim']:<4} {r['values'] or '-':<4}"
     if "error" in r:
         return f"{head} error: {r['error'][:120]}"
     mark = "" if r["reached"] else ">="
@@ -229,7 +234,7 @@ def _jobs(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[str, A
                     names = [f"result-{k}-{r}.json" for r in range(len(tb.hosts))]
                     res = combine(_wait(ctrl, names, tasks, 4 * a.max_s + 300), a.target)
                     res |= {"cap": cap, "loss_rate": loss, "method": method, "rep": rep}
-                    res |= {"optim": a.optim, "values": a.values}
+                    res |= {"optim": a.optim, "values": _values_of(method, a.values)}
                     res["load"] = os.getloadavg()[0]
                     print(_line(cap, loss, method, res), flush=True)
                     runs.append(res)

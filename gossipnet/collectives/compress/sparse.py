@@ -27,7 +27,8 @@ Value codecs (``values=``, :func:`.quant.code_values`): a contribution's values
 travel rounded (bf16, or int8 with one scale per packet); the sender keeps the
 rounding error in ``e`` (``e <- u - decoded`` at the set) and its ``pending``
 entry holds the *decoded* values, what the owner adds, so the ledger's
-conservation holds exactly.  The owner's broadcast of the averages is rounded
+conservation holds exactly (an owner's own share of its chunks takes no packet
+and goes unrounded).  The owner's broadcast of the averages is rounded
 once more and not error-fed (int8: at most 1/254 of the packet's largest
 magnitude per value); the owner applies the decoded values itself, so every
 replica holds the same bits.  Parameters (the optimizer's broadcast) go float32.
