@@ -13,11 +13,13 @@ decision carried over the measured links would itself be delayed by the loss
 being measured.  Every ``eval_every`` steps each rank stops its clock, writes
 its own evaluation loss and training seconds, waits for the other ranks'
 files and applies the same rule to the same numbers; the wait is off the
-clock.  Methods:
+clock.  Methods, each followed by the plan's optimizer step (``optim``: Adam, or
+SGD with momentum; :func:`make_optimizer`), the same for all:
 
-  gn_<compressor>   ``net.all_reduce(grads, compress=...)`` then Adam (UDP, paced at the cap)
-  gloo              ``dist.all_reduce`` of the flat gradient, / world, then Adam (TCP)
-  powersgd<r>       DDP over gloo with PyTorch's PowerSGD hook, rank r, then Adam
+  gn_<compressor>   ``net.all_reduce(grads, compress=...)`` (UDP, paced at the cap;
+                    ArcTopK and DCT send values in the plan's ``values`` codec)
+  gloo              ``dist.all_reduce`` of the flat gradient, / world (TCP)
+  powersgd<r>       DDP over gloo with PyTorch's PowerSGD hook, rank r
 
 Bytes on the wire: this host's ``eth0`` transmit counter (``/proc/net/dev``
 read inside the namespace) over the job, so every method is counted the same
@@ -59,6 +61,17 @@ def parse_net_dev(text: str) -> dict[str, tuple[int, int]]:
 
 def _tx_bytes(iface: str = "eth0") -> int:
     return parse_net_dev(Path("/proc/net/dev").read_text())[iface][1]
+
+
+def make_optimizer(params: Any, optim: dict[str, Any]) -> Any:
+    """The optimizer of ``optim`` (``{"name": "adam"|"sgd", "lr", "momentum"}``)."""
+    import torch
+
+    if optim["name"] == "adam":
+        return torch.optim.Adam(params, lr=optim["lr"])
+    if optim["name"] == "sgd":
+        return torch.optim.SGD(params, lr=optim["lr"], momentum=optim["momentum"])
+    raise ValueError(f"unknown optimizer {optim['name']!r}")
 
 
 def write_json(path: Path, obj: Any) -> None:
@@ -127,11 +140,11 @@ class _Host:
         )
 
     def _compressor(self, method: str) -> Any:
-        d = self.plan["density"]
+        d, values = self.plan["density"], self.plan["values"]
         if method == "gn_arctopk":
-            return self.gn.ArcTopK(density=d)
+            return self.gn.ArcTopK(density=d, values=values)
         if method == "gn_dct":
-            return self.gn.DCT(density=d, refresh_every=50)
+            return self.gn.DCT(density=d, refresh_every=50, values=values)
         if method == "gn_dense":
             return None
         raise ValueError(f"unknown method {method!r}")
@@ -187,7 +200,7 @@ class _Host:
         torch, seed = self.torch, self.plan["seed"]
         model = self.train.make_model(self.plan["hidden"], seed)
         net, reduce = self._reducer(job["method"], model, job)
-        opt = torch.optim.Adam(model.parameters(), lr=self.plan["lr"])
+        opt = make_optimizer(model.parameters(), self.plan["optim"])
         segments: list[list[float]] = []  # [step, seconds, cpu seconds, eval loss]
         tx0, train_s, step = _tx_bytes(), 0.0, 0
         while True:

@@ -12,8 +12,14 @@ gradient) and DDP over gloo with PyTorch's PowerSGD hook (rank 1).
 
 Task: ``gossipnet.testbed.train``'s teacher-student classification, student
 MLP 32-H-H-10 (H = ``--tb-hidden``, 512: 285 k parameters, 1.14 MB of float32
-gradient, so a dense step moves megabytes per host), Adam (lr 1e-3), batch 64
-per host, same seed, initial model and batches for every method.  Target:
+gradient, so a dense step moves megabytes per host), batch 64 per host, same
+seed, initial model and batches for every method.  Optimizer, the same for
+every method (gloo, PowerSGD's DDP, gossipnet): ``--optim adam`` (the default,
+lr 1e-3) or ``--optim sgd`` (momentum 0.9, lr 0.1; top-k with error feedback
+is designed for SGD with momentum: the PowerSGD, DCT and ARC-Top-K papers
+train with it); ``--lr`` overrides the rate; no schedule.  ``--values``
+(bench/compression.py's flag: ``fp32``, ``bf16``, ``int8``) is the gossipnet
+compressors' value codec.  Target:
 the mean over hosts of the exact expected cross-entropy (``eval_loss``) at or
 below ``--target`` (1.2: dense reaches it in about 25 steps, ArcTopK(0.01)
 in about 160 on the memory network), checked every ``--eval-every`` steps
@@ -28,7 +34,12 @@ hosts), the machine's 1-minute load.  Per cell, the median and spread over
 ``--tb-reps`` reps.  JSON keys ``speedup_vs_gloo_capped_1pct`` and
 ``speedup_vs_powersgd_capped_1pct``: their time to target / ArcTopK's, at
 20 Mbit/s and 1% loss; ``by_method_capped_1pct`` the same for every gossipnet
-method run (e.g. ``gn_dct``).
+method run (e.g. ``gn_dct``); ``optim`` (name, lr, momentum) and ``values`` (also
+in every run and on every printed row).
+
+    .venv/bin/python bench/compression.py --testbed --quick
+    .venv/bin/python bench/compression.py --testbed --quick --optim sgd --density 0.1 \
+        --values int8 --methods gn_arctopk,gloo,powersgd1
 """
 
 from __future__ import annotations
@@ -46,6 +57,8 @@ from gossipnet.testbed import Testbed, measure_loss, unavailable_reason
 
 CHUNK_BYTES = 8192  # one datagram per 9000-byte frame (bench/testbed.py's chunk_for_mtu)
 HEADLINE = (20.0, 0.01)
+#: Per optimizer: (default learning rate, momentum); every method trains with it.
+OPTIMS = {"adam": (1e-3, 0.0), "sgd": (0.1, 0.9)}
 
 
 def add_testbed_args(p: Any) -> None:
@@ -59,6 +72,23 @@ def add_testbed_args(p: Any) -> None:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--max-steps", type=int, default=400, help="step cap of a run")
     p.add_argument("--max-s", type=float, default=None, help="training-second cap of a run")
+    p.add_argument(
+        "--optim",
+        default="adam",
+        choices=sorted(OPTIMS),
+        help="every method's optimizer: adam (lr 1e-3) or sgd (momentum 0.9, lr 0.1)",
+    )
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default per --optim)")
+
+
+def optim_settings(a: Any) -> dict[str, Any]:
+    """``{"name", "lr", "momentum"}`` of the optimizer every method trains with."""
+    lr, momentum = OPTIMS[a.optim]
+    if a.lr is not None:
+        if not a.lr > 0:
+            raise SystemExit(f"--lr must be > 0, got {a.lr}")
+        lr = a.lr
+    return {"name": a.optim, "lr": lr, "momentum": momentum}
 
 
 def time_to_target(per_rank: list[list[list[float]]], target: float) -> dict[str, Any]:
@@ -165,8 +195,13 @@ def _wait(ctrl: Path, names: list[str], tasks: list[Any], deadline_s: float) -> 
     return [json.loads(p.read_text()) for p in paths]
 
 
+def _values_of(method: str, values: str) -> str | None:
+    """The value codec a method's run used: gossipnet's sparse compressors only."""
+    return values if method in ("gn_arctopk", "gn_dct") else None
+
+
 def _line(cap: float, loss: float, method: str, r: dict[str, Any]) -> str:
-    head = f"{cap:>6g} Mbit/s {loss:>4.0%} {method:<11}"
+    head = f"{cap:>6g} Mbit/s {loss:>4.0%} {method:<11} {r['optim']:<4} {r['values'] or '-':<4}"
     if "error" in r:
         return f"{head} error: {r['error'][:120]}"
     mark = "" if r["reached"] else ">="
@@ -199,6 +234,7 @@ def _jobs(tb: Testbed, a: Any, ctrl: Path, tasks: list[Any]) -> list[dict[str, A
                     names = [f"result-{k}-{r}.json" for r in range(len(tb.hosts))]
                     res = combine(_wait(ctrl, names, tasks, 4 * a.max_s + 300), a.target)
                     res |= {"cap": cap, "loss_rate": loss, "method": method, "rep": rep}
+                    res |= {"optim": a.optim, "values": _values_of(method, a.values)}
                     res["load"] = os.getloadavg()[0]
                     print(_line(cap, loss, method, res), flush=True)
                     runs.append(res)
@@ -261,12 +297,15 @@ def run_testbed(a: Any) -> dict[str, Any]:
         tb.set_loss(None, 0.0)
         ctrl = tb.run_dir / "ctrl"
         ctrl.mkdir()
+        optim = optim_settings(a)
+        print(f"optimizer: {optim}, values: {a.values}", flush=True)
         plan = {
             "ips": [h.ip for h in tb.hosts],
             "hidden": a.tb_hidden,
             "seed": 0,
             "batch": 64,
-            "lr": 1e-3,
+            "optim": optim,
+            "values": a.values,
             "density": a.density,
             "chunk_bytes": CHUNK_BYTES,
             "gn_timeout_s": 2.0,
@@ -283,12 +322,17 @@ def run_testbed(a: Any) -> dict[str, Any]:
             t.result(60.0)
     out = summarise_tb(runs)
     params = a.tb_hidden * a.tb_hidden + 44 * a.tb_hidden + 10
+    optim = optim_settings(a)
     out |= {
+        "optim": optim,
+        "values": a.values,
         "loss_check": checks,
         "runs": runs,
         "wall_s": round(time.monotonic() - t_start, 1),
         "setup": f"4 namespace hosts, MTU 9000, tbf both ends 50 ms queue; MLP 32-{a.tb_hidden}-"
-        f"{a.tb_hidden}-10 ({params} params, {4 * params / 1e6:.2f} MB float32 grads); Adam "
-        f"1e-3; target {a.target}; machine: {len(os.sched_getaffinity(0))} cores, shared",
+        f"{a.tb_hidden}-10 ({params} params, {4 * params / 1e6:.2f} MB float32 grads); "
+        f"{optim['name']} lr {optim['lr']:g} momentum {optim['momentum']:g} for every method; "
+        f"gossipnet values {a.values}; target {a.target}; "
+        f"machine: {len(os.sched_getaffinity(0))} cores, shared",
     }
     return out

@@ -18,18 +18,22 @@ Rows: ``dense``, ``bf16``, ``int8``, ``arctopk`` (density ``--density``),
 density) and the static ArcTopK settings Accordion is compared with
 (``arctopk@d`` for d in the low and middle densities).  ``dense`` and
 ``arctopk`` run ``--seeds`` seeds (default 3) and report the median and spread.
+``--values fp32|bf16|int8`` sets how every sparse row (ArcTopK, DCT, Accordion)
+sends its values (``values=``; the JSON's ``values``); the ``--testbed`` part's
+gossipnet methods use it too.
 
 The last stdout line is one JSON object with ``bytes_ratio`` (dense bytes per
 step / ARC-Top-K bytes per step, demo task, 0% loss), ``rel_quality_10pct``
 (ARC-Top-K at 10% loss / dense at 0%, demo perplexity, seed medians),
 ``accordion_bytes_ratio`` (bytes of the cheapest static ArcTopK setting whose
 final quality is within 1% of Accordion's, / Accordion's bytes; null if none),
-and ``rows``.  The time-to-target part on the namespace testbed (capped links,
+``values`` and ``rows``.  The time-to-target part on the namespace testbed (capped links,
 gloo and DDP+PowerSGD baselines) is ``--testbed`` (``_compression_testbed.py``).
 
     .venv/bin/python bench/compression.py --quick        # the regression task, 60 steps, ~1 min
     .venv/bin/python bench/compression.py                # both tasks, longer runs
     .venv/bin/python bench/compression.py --rows dense arctopk --losses 0.1 --seeds 5
+    .venv/bin/python bench/compression.py --quick --rows dense arctopk --values int8
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class Setting:
     chunk_bytes: int
     block: int = 16
     eta: float = 1.0
+    values: str = "fp32"
 
 
 @dataclass
@@ -91,8 +96,11 @@ class Result:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def compressor(row: str, density: float, block: int = 16, eta: float = 1.0) -> Any:
-    """The ``compress=`` value of a row name (``arctopk@0.05``: a static density)."""
+def compressor(
+    row: str, density: float, block: int = 16, eta: float = 1.0, values: str = "fp32"
+) -> Any:
+    """The ``compress=`` value of a row name (``arctopk@0.05``: a static density);
+    ``values``: the sparse rows' value codec."""
     if row == "dense":
         return None
     if row in ("bf16", "fp16"):
@@ -101,12 +109,12 @@ def compressor(row: str, density: float, block: int = 16, eta: float = 1.0) -> A
         return gossipnet.Int8()
     if row.startswith("arctopk"):
         d = float(row.split("@", 1)[1]) if "@" in row else density
-        return gossipnet.ArcTopK(density=d, block=block, eta=eta)
+        return gossipnet.ArcTopK(density=d, block=block, eta=eta, values=values)
     if row == "dct":
-        return gossipnet.DCT(density=density, refresh_every=50)
+        return gossipnet.DCT(density=density, refresh_every=50, values=values)
     if row == "accordion":
-        low = gossipnet.ArcTopK(density=min(1.0, 10 * density), block=block, eta=eta)
-        high = gossipnet.ArcTopK(density=density, block=block, eta=eta)
+        low = gossipnet.ArcTopK(density=min(1.0, 10 * density), block=block, eta=eta, values=values)
+        high = gossipnet.ArcTopK(density=density, block=block, eta=eta, values=values)
         return gossipnet.Accordion(low=low, high=high, interval=10)
     raise SystemExit(f"unknown row {row!r}")
 
@@ -178,7 +186,7 @@ TASKS: dict[str, Callable[[int, int], Task]] = {"demo": demo_task, "regress": re
 def run_setting(s: Setting) -> Result:
     """Train ``s`` on 4 in-process peers; quality is the mean over peers at the end."""
     make = TASKS[s.task](s.seed, s.steps)
-    spec = compressor(s.row, s.density, s.block, s.eta)
+    spec = compressor(s.row, s.density, s.block, s.eta, s.values)
     lr = 3e-3 if s.task == "demo" else 1e-3
     warm = DemoConfig(steps=s.steps, lr=lr, warmup_steps=10)
 
@@ -219,7 +227,7 @@ def run_testbed(args: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- summary
-def summarise(results: list[Result], density: float) -> dict[str, Any]:
+def summarise(results: list[Result], density: float, values: str = "fp32") -> dict[str, Any]:
     """Rows (median and spread over seeds) and the headline keys."""
     groups: dict[tuple[str, str, float], list[Result]] = {}
     for r in results:
@@ -273,6 +281,7 @@ def summarise(results: list[Result], density: float) -> dict[str, Any]:
             out["accordion_vs"] = min(equal)[1]
     out["rows"] = rows
     out["density"] = density
+    out["values"] = values
     return out
 
 
@@ -287,6 +296,12 @@ def main() -> None:
     parser.add_argument("--chunk-bytes", type=int, default=4096)
     parser.add_argument("--block", type=int, default=16, help="ArcTopK block (elements)")
     parser.add_argument("--eta", type=float, default=1.0, help="ArcTopK EF21M momentum")
+    parser.add_argument(
+        "--values",
+        default="fp32",
+        choices=("fp32", "bf16", "int8"),
+        help="how the sparse rows (ArcTopK, DCT, Accordion; testbed: gn_*) send values",
+    )
     parser.add_argument(
         "--testbed",
         action="store_true",
@@ -314,7 +329,16 @@ def main() -> None:
                 for seed in range(seeds):
                     settings.append(
                         Setting(
-                            task, row, loss, seed, steps, d, args.chunk_bytes, args.block, args.eta
+                            task,
+                            row,
+                            loss,
+                            seed,
+                            steps,
+                            d,
+                            args.chunk_bytes,
+                            args.block,
+                            args.eta,
+                            args.values,
                         )
                     )
     results = []
@@ -324,7 +348,7 @@ def main() -> None:
         print(f"{s.task:8s} {s.row:14s} loss={s.loss:<4g} seed={s.seed} quality={r.quality:.4f}"
               f" bytes/step={r.bytes_per_step:,.0f} ratio={r.extra['compression_ratio']:.1f}"
               f" wall={r.wall_s:.1f}s cpu={r.cpu_s:.1f}s", flush=True)  # fmt: skip
-    emit_json(summarise(results, d))
+    emit_json(summarise(results, d, args.values))
 
 
 if __name__ == "__main__":

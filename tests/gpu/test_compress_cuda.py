@@ -63,3 +63,30 @@ def test_compressed_all_reduce_of_cuda_tensors() -> None:
     out = run_peers(2, body, timeout_s=60)
     for t in out:
         torch.testing.assert_close(t, torch.full((50_000,), 1.5))
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+def test_value_codecs_match_cpu(codec: str) -> None:
+    x = _x()
+    parts_cpu, dec_cpu = quant.code_values(x, codec)
+    parts_gpu, dec_gpu = quant.code_values(x.cuda(), codec)
+    assert dec_gpu.is_cuda
+    assert [p.dtype for p in parts_gpu] == [p.dtype for p in parts_cpu]
+    scale = float(parts_cpu[0][0]) if codec == "int8" else 0.0
+    # int8: rounding at exact halves may differ by one step; otherwise bit for bit
+    assert float((dec_gpu.cpu() - dec_cpu).abs().max()) <= scale * (1 + 1e-6)
+
+
+def test_sparse_all_reduce_with_int8_values_of_cuda_tensors() -> None:
+    def body(rank: int, peer: gossipnet.Peer) -> torch.Tensor:
+        t = torch.full((50_000,), float(rank + 1), device="cuda")
+        rep = peer.all_reduce([t], compress=gossipnet.ArcTopK(density=0.1, values="int8"))
+        assert rep.extra["compression_ratio"] > 5
+        assert t.is_cuda
+        return t.cpu()
+
+    out = run_peers(2, body, timeout_s=60)
+    assert torch.equal(out[0], out[1])
+    at = out[0] != 0
+    assert 0.08 * 50_000 <= int(at.sum()) <= 0.15 * 50_000
+    torch.testing.assert_close(out[0][at], torch.full((int(at.sum()),), 1.5), rtol=0.01, atol=0)

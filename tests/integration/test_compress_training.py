@@ -45,7 +45,14 @@ def _task(rank: int) -> tuple[torch.nn.Module, Callable[[], torch.Tensor]]:
 
 @pytest.mark.timeout(120)  # ~5 s on 2 idle cores; bounds a hang
 @pytest.mark.parametrize(
-    "spec", [gossipnet.ArcTopK(density=0.05), "bf16", gossipnet.Int8()], ids=str
+    "spec",
+    [
+        gossipnet.ArcTopK(density=0.05),
+        gossipnet.ArcTopK(density=0.05, values="int8"),  # int8 gradients, float32 parameters
+        "bf16",
+        gossipnet.Int8(),
+    ],
+    ids=str,
 )
 def test_optimizer_trains_with_compression_under_loss(spec: Any) -> None:
     def body(rank: int, peer: gossipnet.Peer) -> tuple[list[float], list[dict[str, float]]]:

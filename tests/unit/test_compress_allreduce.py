@@ -99,15 +99,30 @@ def test_quantised_mean_close_and_identical(
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "spec",
-    [ArcTopK(density=0.05), DCT(density=0.05, refresh_every=3)],
-    ids=["arctopk", "dct"],
+    [
+        ArcTopK(density=0.05),
+        DCT(density=0.05, refresh_every=3),
+        ArcTopK(density=0.05, values="int8"),
+        DCT(density=0.05, refresh_every=3, values="int8"),
+        ArcTopK(density=0.05, values="bf16"),
+    ],
+    ids=["arctopk", "dct", "arctopk-int8", "dct-int8", "arctopk-bf16"],
 )
 def test_sparse_ef_conserves_mass_under_loss(
-    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, spec: Any
+    run_async: Callable[..., Any],
+    cluster: Any,
+    drive: Any,
+    cfg: Config,
+    spec: Any,
+    monkeypatch: Any,
 ) -> None:
     """At 20% loss over 12 rounds: for every peer, gradients put in = confirmed +
     e + pending + unresolved; what owners counted from it equals what it confirmed,
-    except for contributions reported unresolved; values never at another set."""
+    except for contributions reported unresolved; values never at another set.
+    With a value codec the rounding error stays in ``e`` and what leaves it is what
+    the owner decodes, so the same law holds; every payload fits its packet."""
+
+    sizes = _watch_payload_sizes(monkeypatch)
 
     async def main() -> None:
         clock = FakeClock()
@@ -118,11 +133,27 @@ def test_sparse_ef_conserves_mass_under_loss(
                 s.ledger = Ledger()
             reps = await rounds(drive, clock, nodes, sessions, grads(2), 12)
             _check_ledgers(sessions)
+            assert max(sizes) <= CHUNK
             extra = [r.extra for rr in reps for r in rr]
             assert sum(x.get("ef_restored", 0) for x in extra) > 0  # loss was seen and fixed
             assert all(x["bytes_sent"] < x["bytes_dense"] / 2 for x in extra[N:])
 
     run_async(main())
+
+
+def _watch_payload_sizes(monkeypatch: Any) -> list[int]:
+    """Record the byte length of every compressed payload the sparse encoders make."""
+    sizes: list[int] = []
+    for name in ("encode_rs", "encode_ag"):
+        real = getattr(sparse_mod, name)
+
+        def watched(*args: Any, _real: Any = real) -> Any:
+            out = _real(*args)
+            sizes.append(len(out[1]))
+            return out
+
+        monkeypatch.setattr(sparse_mod, name, watched)
+    return sizes
 
 
 def _check_ledgers(sessions: Sequence[CompressSession]) -> None:
@@ -156,12 +187,18 @@ def _check_ledgers(sessions: Sequence[CompressSession]) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("values", ["fp32", "int8"])
 def test_arctopk_index_sets_agree_and_applied_bits_identical_under_loss(
-    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, monkeypatch: Any
+    run_async: Callable[..., Any],
+    cluster: Any,
+    drive: Any,
+    cfg: Config,
+    monkeypatch: Any,
+    values: str,
 ) -> None:
     """Seeded 15% loss: every value an owner adds sits at the set it has in force
     (the decoder is watched), and all peers hold bit-identical values at every
-    chunk whose broadcast reached them."""
+    chunk whose broadcast reached them (int8: the owner applies what it sends)."""
     added_outside = []
     real = sparse_mod.decode_rs
 
@@ -183,7 +220,7 @@ def test_arctopk_index_sets_agree_and_applied_bits_identical_under_loss(
         clock = FakeClock()
         plan = lambda i: FaultPlan(loss=0.15, seed=90 + i)  # noqa: E731
         async with cluster(N, config=cfg, clock=clock, faults=plan) as nodes:
-            sessions = [CompressSession(ArcTopK(density=0.05)) for _ in range(N)]
+            sessions = [CompressSession(ArcTopK(density=0.05, values=values)) for _ in range(N)]
 
             cb = sessions[0].chunk_bytes(CHUNK, NUMEL, 4, N, False)
             smap = ShardMap(ChunkPlan(NUMEL, torch.float32, cb), IDS)
@@ -210,6 +247,87 @@ def test_arctopk_index_sets_agree_and_applied_bits_identical_under_loss(
             assert missed > 0  # loss hit announcements, and it was counted
             assert mism >= 0
         assert added_outside == []
+
+    run_async(main())
+
+
+@pytest.mark.timeout(60)
+def test_value_codecs_cut_bytes_and_stay_close_to_the_mean(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """Lossless first round (every peer uses the same bootstrap set): int8 values send
+    fewer bytes than bf16, which send fewer than float32, and the report says so;
+    where values arrived, the result is the inputs' mean within the two roundings
+    (each contribution's and the broadcast's: 1/254 of a packet's largest magnitude)."""
+    make = grads(6)
+    want = torch.stack([make(i, 0) for i in range(N)]).mean(0)
+    sent: dict[str, float] = {}
+    ratio: dict[str, float] = {}
+
+    async def one(values: str) -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            sessions = [CompressSession(ArcTopK(density=0.05, values=values)) for _ in range(N)]
+
+            def check(r: int, xs: list[torch.Tensor], reps: list[CollectiveReport]) -> None:
+                for x in xs:
+                    assert torch.equal(x, xs[0])
+                at = xs[0] != 0
+                assert 0.04 * NUMEL <= int(at.sum()) <= 0.08 * NUMEL  # whole blocks, rounded up
+                err = (xs[0][at] - want[at]).abs().max()
+                # largest input magnitude bounds every packet's scale
+                bound = {"fp32": 1e-5, "bf16": 0.02, "int8": 0.03}[values]
+                assert float(err) <= bound * float(
+                    torch.stack([make(i, 0) for i in range(N)]).abs().max()
+                )
+                sent[values] = sum(rep.extra["bytes_sent"] for rep in reps)
+                ratio[values] = reps[0].extra["compression_ratio"]
+
+            await rounds(drive, clock, nodes, sessions, make, 1, check)
+
+    for values in ("fp32", "bf16", "int8"):
+        run_async(one(values))
+    assert sent["int8"] < 0.75 * sent["bf16"] < 0.75 * 0.85 * sent["fp32"], sent
+    assert ratio["int8"] > ratio["bf16"] > ratio["fp32"], ratio
+
+
+@pytest.mark.timeout(60)
+def test_peers_with_other_value_codecs_count_drops_never_mix(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """Two peers send int8 values, two float32 (a misconfiguration): every packet
+    from the other pair is a counted drop, never read as ours; each pair's rounds
+    complete with finite values, and what a peer holds comes only from its own pair
+    (a mix would show as values of the other pair's inputs)."""
+
+    def make(i: int, r: int) -> torch.Tensor:
+        # the int8 pair's inputs are positive, the float32 pair's negative
+        g = torch.Generator().manual_seed(900 + r * N + i)
+        return (torch.rand(NUMEL, generator=g) + 0.5) * (1.0 if i < 2 else -1.0)
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(N, config=cfg, clock=clock) as nodes:
+            engines = [LossyAllReduce(node) for node in nodes]
+            sessions = [
+                CompressSession(ArcTopK(density=0.05, values="int8" if i < 2 else "fp32"))
+                for i in range(N)
+            ]
+            reasons = ("compressed_kind", "bad_chunk", "not_owner")  # chunkings differ too
+            for r in range(3):
+                before = [sum(e.dropped[k] for k in reasons) for e in engines]
+                xs = [make(i, r) for i in range(N)]
+                runs = [
+                    e.run([x], RoundOptions(timeout_s=2.0, compress=s))
+                    for e, x, s in zip(engines, xs, sessions, strict=True)
+                ]
+                await drive(clock, asyncio.gather(*runs), timeout_s=10)
+                for i, x in enumerate(xs):
+                    assert bool(torch.isfinite(x).all())
+                    assert bool((x >= 0).all() if i < 2 else (x <= 0).all()), (r, i)
+                    assert sum(engines[i].dropped[k] for k in reasons) > before[i], (r, i)
+            # decoded as far as the codec byte, and refused there
+            assert sum(e.dropped["compressed_kind"] for e in engines) > 0
 
     run_async(main())
 

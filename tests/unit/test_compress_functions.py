@@ -19,7 +19,7 @@ import gossipnet
 from gossipnet import DCT, Accordion, ArcTopK, ConfigError, Int8
 from gossipnet.clock import FakeClock
 from gossipnet.collectives.compress import CompressSession, accordion, dct, quant, topk
-from gossipnet.collectives.compress.payload import NONE, Z, bitmap, in_bitmap
+from gossipnet.collectives.compress.payload import NONE, Bad, Reader, Z, bitmap, in_bitmap, join
 from gossipnet.collectives.compress.spec import resolve
 from gossipnet.collectives.lossy import gather, scatter
 from gossipnet.collectives.lossy.round import Round
@@ -56,6 +56,68 @@ def test_exported_and_validated() -> None:
     with pytest.raises(ConfigError, match=r"ArcTopK or gossipnet\.DCT"):
         Accordion(low="bf16", high="bf16")  # type: ignore[arg-type]
     assert DCT(quantile=0.99).keep == pytest.approx(0.01)
+    accepted = "'fp32', 'bf16', 'int8'"
+    for bad_values in ("fp16", "INT8", 8, None):
+        with pytest.raises(ConfigError, match=f"ArcTopK.values must be one of {accepted}"):
+            ArcTopK(values=bad_values)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match=f"DCT.values must be one of {accepted}"):
+            DCT(values=bad_values)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="values alike"):
+        Accordion(low=ArcTopK(density=0.1, values="int8"), high=ArcTopK(density=0.01))
+    with pytest.raises(ConfigError, match="values alike"):
+        Accordion(low=DCT(density=0.1), high=DCT(density=0.01, values="bf16"))
+    assert ArcTopK(values="int8").values == "int8"
+
+
+# --------------------------------------------------------------------------- value codecs
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+def test_value_codec_round_trip(codec: str) -> None:
+    """What a receiver reads back is bit for bit what the sender says it decodes
+    (the sender's error feedback and pending rest on it), within the codec's bound."""
+    gen = torch.Generator().manual_seed(4)
+    for n in (0, 1, 7, 1000):
+        x = torch.randn(n, generator=gen) * 3
+        parts, decoded = quant.code_values(x, codec)
+        data = join(*parts)
+        assert len(data) == quant.coded_bytes(codec, n)
+        r = Reader(memoryview(data))
+        got = r.coded(n, codec)
+        r.done()
+        assert got.dtype == torch.float32
+        assert torch.equal(got, decoded)
+        if n == 0:
+            continue
+        amax = float(x.abs().max())
+        bound = {"fp32": 0.0, "bf16": amax / 256, "int8": amax / 254 * (1 + 1e-6)}[codec]
+        assert float((decoded - x).abs().max()) <= bound
+    _, zero_dec = quant.code_values(torch.zeros(16), codec)
+    assert torch.equal(zero_dec, torch.zeros(16))  # int8: scale 0 decodes to zeros
+
+
+def test_value_codec_non_finite_is_refused() -> None:
+    scale_nan = struct.pack("<f", float("nan")) + bytes(4)
+    bf16_inf = struct.pack("<H", 0x7F80)
+    for codec, data, count in (("int8", scale_nan, 4), ("bf16", bf16_inf, 1)):
+        with pytest.raises(Bad, match="non_finite"):
+            Reader(memoryview(data)).coded(count, codec)
+    with pytest.raises(Bad, match="compressed_count"):
+        Reader(memoryview(bytes(6))).coded(4, "int8")  # scale and 2 of 4 values
+
+
+@pytest.mark.parametrize("family", ["topk", "dct"])
+def test_smaller_values_give_larger_chunks(family: str) -> None:
+    """A packet of int8 values holds more of the chunk than one of bf16, which holds
+    more than float32 (chunk sizing counts each codec's bytes per value)."""
+
+    def spec(v: str) -> Any:
+        return ArcTopK(density=0.01, values=v) if family == "topk" else DCT(density=0.01, values=v)
+
+    sizes = [
+        CompressSession(spec(v)).chunk_bytes(16_384, 10**7, 4, 4, False)
+        for v in ("fp32", "bf16", "int8")
+    ]
+    assert sizes[0] < sizes[1] < sizes[2], sizes
+    assert CompressSession(spec("int8")).chunk_bytes(16_384, 10**7, 4, 4, True) == 16_384
 
 
 # --------------------------------------------------------------------------- quantisers
@@ -172,33 +234,58 @@ def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Pa
         (
             DCT(density=0.05),
             Z.DCT_RS,
-            struct.pack("<I", 1) + struct.pack("<I", 99999) + bytes(4),
+            struct.pack("<IB", 1, 0) + struct.pack("<I", 99999) + bytes(4),
             "compressed_index",
         ),
         (
             DCT(density=0.05),
             Z.DCT_RS,
-            struct.pack("<I", 2) + struct.pack("<II", 5, 3) + bytes(8),
+            struct.pack("<IB", 2, 0) + struct.pack("<II", 5, 3) + bytes(8),
             "compressed_index",
         ),
-        (DCT(density=0.05), Z.DCT_RS, struct.pack("<I", 3) + bytes(8), "compressed_count"),
+        (DCT(density=0.05), Z.DCT_RS, struct.pack("<IB", 3, 0) + bytes(8), "compressed_count"),
         (
             ArcTopK(density=0.05),
             Z.TOPK_RS,
-            struct.pack("<QII", NONE, 1, 0) + bytes(2),
+            struct.pack("<QIIB", NONE, 1, 0, 0) + bytes(2),
             "compressed_count",
         ),
         (ArcTopK(density=0.05), Z.TOPK_RS, b"\x01", "compressed_short"),
         (
             ArcTopK(density=0.05),
             Z.TOPK_RS,
-            struct.pack("<QIII", NONE, 1, 0, 10**6) + bytes(2),
+            struct.pack("<QIIBI", NONE, 1, 0, 0, 10**6) + bytes(2),
             "compressed_index",
         ),
         (
             ArcTopK(density=0.05),
             Z.TOPK_RS,
-            struct.pack("<QIII", NONE, 1, 0, 0) + struct.pack("<H", 0xFFC0),  # bf16 NaN
+            struct.pack("<QIIBI", NONE, 1, 0, 0, 0) + struct.pack("<H", 0xFFC0),  # bf16 NaN
+            "non_finite",
+        ),
+        (  # a peer with values="fp32" talking to one with "int8": never read as ours
+            ArcTopK(density=0.05, values="int8"),
+            Z.TOPK_RS,
+            struct.pack("<QIIB", NONE, 0, 1, 0) + struct.pack("<f", 1.0),
+            "compressed_kind",
+        ),
+        (ArcTopK(density=0.05), Z.TOPK_RS, struct.pack("<QIIB", NONE, 0, 0, 7), "compressed_kind"),
+        (
+            DCT(density=0.05, values="bf16"),
+            Z.DCT_RS,
+            struct.pack("<IB", 1, 2) + struct.pack("<I", 3) + struct.pack("<fb", 1.0, 5),
+            "compressed_kind",
+        ),
+        (
+            ArcTopK(density=0.05, values="int8"),
+            Z.TOPK_RS,
+            struct.pack("<QIIB", NONE, 0, 0, 2) + struct.pack("<f", float("inf")),
+            "non_finite",
+        ),
+        (
+            DCT(density=0.05, values="bf16"),
+            Z.DCT_RS,
+            struct.pack("<IB", 1, 1) + struct.pack("<IH", 3, 0x7FC0),  # bf16 NaN value
             "non_finite",
         ),
     ],
@@ -214,6 +301,11 @@ def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Pa
         "short",
         "proposal-beyond",
         "nan-sketch",
+        "other-codec",
+        "unknown-codec",
+        "dct-other-codec",
+        "inf-int8-scale",
+        "nan-bf16-value",
     ],
 )
 def test_forged_contribution_is_a_counted_drop(
@@ -257,11 +349,11 @@ def test_forged_broadcasts_are_counted_drops() -> None:
     rnd.sending = False
     ctx = _Ctx()
     c = rnd.maps[0].chunks_of("p1").start
-    head = struct.Struct("<QQHIIIB")
-    bad_set = head.pack(5, NONE, 4, 1, 0, 0, 0) + bytes(2) + struct.pack("<I", 10**6)
-    wrong_parts = head.pack(5, NONE, 9, 0, 0, 0, 0) + bytes(4)
+    head = struct.Struct("<QQHIIIBB")
+    bad_set = head.pack(5, NONE, 4, 1, 0, 0, 0, 0) + bytes(2) + struct.pack("<I", 10**6)
+    wrong_parts = head.pack(5, NONE, 9, 0, 0, 0, 0, 0) + bytes(4)
     nan_vals = (
-        head.pack(5, NONE, 4, 1, 0, 1, 1)
+        head.pack(5, NONE, 4, 1, 0, 1, 1, 0)
         + bytes(2)
         + struct.pack("<I", 0)
         + struct.pack("<f", float("nan"))
@@ -272,13 +364,33 @@ def test_forged_broadcasts_are_counted_drops() -> None:
     assert not rnd.got_np[0][c]  # nothing written
 
 
+def test_forged_coded_broadcasts_are_counted_drops() -> None:
+    """An int8 peer's broadcasts: another codec's values, a non-finite scale, a count
+    that does not match the int8 bytes: each a counted drop, nothing written."""
+    rnd = _round(ArcTopK(density=0.05, values="int8"), me="p0")
+    rnd.sending = False
+    ctx = _Ctx()
+    c = rnd.maps[0].chunks_of("p1").start
+    head = struct.Struct("<QQHIIIBB")
+    cur = bytes(2) + struct.pack("<I", 0)  # bitmaps, set = block 0 (16 values)
+    fp32_vals = head.pack(5, NONE, 4, 1, 0, 16, 0, 0) + cur + bytes(64)
+    inf_scale = (
+        head.pack(5, NONE, 4, 1, 0, 16, 0, 2) + cur + struct.pack("<f", float("inf")) + bytes(16)
+    )
+    short = head.pack(5, NONE, 4, 1, 0, 16, 0, 2) + cur + struct.pack("<f", 1.0) + bytes(15)
+    for payload in (fp32_vals, inf_scale, short):
+        gather.on_ag(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_AG, payload))  # type: ignore[arg-type]
+    assert ctx.dropped == {"compressed_kind": 1, "non_finite": 1, "compressed_count": 1}
+    assert not rnd.got_np[0][c]
+
+
 def test_values_at_another_set_arrive_with_weight_zero_and_are_counted() -> None:
     """A tag other than the set in force: the packet counts as arrived (its sender is
     complete) with weight 0 and no values, and ``index_mismatch`` counts it."""
     rnd = _round(ArcTopK(density=0.05), me="p0")
     ctx = _Ctx()
     c = rnd.owned[0].start
-    payload = struct.pack("<QII", 77, 0, 3) + struct.pack("<3f", 1.0, 2.0, 3.0)
+    payload = struct.pack("<QIIB", 77, 0, 3, 0) + struct.pack("<3f", 1.0, 2.0, 3.0)
     part = scatter.rs_part(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_RS, payload))  # type: ignore[arg-type]
     assert part is not None
     _, _, _, values, weight, _ = part

@@ -112,6 +112,36 @@ def test_compression_bench_help_lists_the_testbed_flags() -> None:
     ).stdout
     for flag in ("--testbed", "--caps", "--tb-losses", "--methods", "--target", "--tb-reps"):
         assert flag in out
+    for flag in ("--optim", "--lr", "--values"):
+        assert flag in out
+
+
+def test_optimizer_defaults_per_name_and_lr_override(tb: ModuleType, worker: ModuleType) -> None:
+    """Every method trains with the same optimizer: Adam 1e-3 by default (old commands
+    reproduce), SGD momentum 0.9 lr 0.1, ``--lr`` overriding either."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser()
+    tb.add_testbed_args(parser)
+    settings = tb.optim_settings(parser.parse_args([]))
+    assert settings == {"name": "adam", "lr": 1e-3, "momentum": 0.0}
+    settings = tb.optim_settings(parser.parse_args(["--optim", "sgd"]))
+    assert settings == {"name": "sgd", "lr": 0.1, "momentum": 0.9}
+    assert tb.optim_settings(parser.parse_args(["--optim", "sgd", "--lr", "0.05"]))["lr"] == 0.05
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--optim", "lamb"])
+    with pytest.raises(SystemExit):
+        tb.optim_settings(parser.parse_args(["--lr", "0"]))
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    sgd = worker.make_optimizer(params, settings)
+    assert isinstance(sgd, torch.optim.SGD)
+    assert sgd.param_groups[0]["momentum"] == 0.9
+    adam = worker.make_optimizer(params, {"name": "adam", "lr": 1e-3, "momentum": 0.0})
+    assert isinstance(adam, torch.optim.Adam)
+    with pytest.raises(ValueError, match="lamb"):
+        worker.make_optimizer(params, {"name": "lamb", "lr": 1.0, "momentum": 0.0})
 
 
 def test_summary_headline_keys_are_theirs_over_arctopk_at_20_mbit_1pct(tb: ModuleType) -> None:

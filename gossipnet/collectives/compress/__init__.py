@@ -26,6 +26,10 @@ The rules under loss (each tested in ``tests/unit/test_compress_*``):
   (this round's and the previous round's): counted, it is gone; not counted, it
   returns to the error ``e``.  Both answers lost (about p^2): assumed counted,
   reported as ``ef_unresolved``.  Never counted twice, never dropped unseen.
+- ArcTopK's and DCT's ``values=`` (``"fp32"``, ``"bf16"``, ``"int8"``): the values
+  travel in that codec, named in each payload (another codec: a counted
+  ``compressed_kind`` drop); a contribution's rounding error stays in ``e``, the
+  owner's broadcast applies the same rounded values on every peer.
 - Quantisers (bf16, fp16, int8) have no error feedback; in the optimizer the
   parameter broadcast stays float32 for them (a rounded parameter stays rounded).
 

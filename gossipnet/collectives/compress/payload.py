@@ -5,18 +5,25 @@ fixed binary data header, flag bit 3 and the formerly reserved u16) beside the
 usual round, mode, layout, bucket and chunk fields, ``dt="u8"`` and ``n`` = its
 payload's byte length (so the codec's length check still holds).  Every
 payload says, itself, what it holds: its counts, its scale, its index set or
-index list.  Little-endian; counts first, then the sections in order:
+index list, and the codec of its values.  Little-endian; counts first, then the
+sections in order:
 
 ``QUANT``   ``<BI`` kind (0 bf16, 1 fp16, 2 int8), count; [int8: f32 scale]; values.
-``TOPK_RS`` ``<QII`` set tag, proposed blocks, values; u32 proposed block ids; their
-            bf16 norms (a sparse sketch); f32 values at the set.
-``TOPK_AG`` ``<QQHIIIB`` next tag, previous round, participants, current set blocks,
-            next set blocks, values, value kind (0 at the current set, 1 dense);
-            contributor bitmaps (this round, the previous), u32 current set,
-            u32 next set, f32 values.
-``DCT_RS``  ``<I`` entries; u32 indices; f32 values.
-``DCT_AG``  ``<QHIB`` previous round, participants, entries, value kind (0 sparse,
-            1 dense); two contributor bitmaps; [u32 indices]; f32 values.
+``TOPK_RS`` ``<QIIB`` set tag, proposed blocks, values, value codec; u32 proposed
+            block ids; their bf16 norms (a sparse sketch); values at the set.
+``TOPK_AG`` ``<QQHIIIBB`` next tag, previous round, participants, current set blocks,
+            next set blocks, values, value kind (0 at the current set, 1 dense),
+            value codec; contributor bitmaps (this round, the previous), u32
+            current set, u32 next set, values.
+``DCT_RS``  ``<IB`` entries, value codec; u32 indices; values.
+``DCT_AG``  ``<QHIBB`` previous round, participants, entries, value kind (0 sparse,
+            1 dense), value codec; two contributor bitmaps; [u32 indices]; values.
+
+The sparse kinds' values are coded as the value codec says
+(:data:`~gossipnet.collectives.compress.quant.CODEC_IDS`: 0 f32, 1 bf16,
+2 int8 = an f32 scale then one int8 per value); dense values (kind 1, parameters)
+are always f32 and their codec byte names the sender's setting.  A receiver
+whose own setting differs drops the packet (``compressed_kind``).
 
 Decoders check every count against the chunk (an index beyond it, a count that
 does not add up to the payload's length, an unsorted or repeated index, a
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from gossipnet.collectives.chunks import all_finite, as_bytes, from_bytes
+from gossipnet.collectives.compress.quant import dequantize_int8, from_half
 
 __all__ = ("NONE", "Bad", "Z", "bitmap", "in_bitmap", "join", "Reader")
 
@@ -98,6 +106,22 @@ class Reader:
     def values(self, count: int) -> torch.Tensor:
         """``count`` float32 values, all finite."""
         v = self.tensor(torch.float32, count)
+        if not all_finite(v):
+            raise Bad("non_finite")
+        return v
+
+    def coded(self, count: int, codec: str) -> torch.Tensor:
+        """``count`` values in ``codec`` (``"fp32"``, ``"bf16"``, ``"int8"``) as
+        float32, all finite (an int8 scale too)."""
+        if codec == "fp32":
+            return self.values(count)
+        if codec == "bf16":
+            v = from_half(self.tensor(torch.bfloat16, count))
+        else:
+            scale = self.tensor(torch.float32, 1)
+            if not all_finite(scale):
+                raise Bad("non_finite")
+            v = dequantize_int8(scale[0], self.tensor(torch.int8, count))
         if not all_finite(v):
             raise Bad("non_finite")
         return v

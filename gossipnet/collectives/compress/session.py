@@ -15,14 +15,13 @@ per round the sketches summed for our chunks and who sent no usable values.
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gossipnet.collectives.compress import sparse
+from gossipnet.collectives.compress import budget, sparse
 from gossipnet.collectives.compress.payload import Bad, Reader, Z, join
 from gossipnet.collectives.compress.quant import (
     HALF,
@@ -58,13 +57,8 @@ class CompressSession(SessionState):
             elems = (base - 8) // 2
         elif self.family == "int8":
             elems = base - 16
-        elif self.family == "topk":  # room for 3x the density in a chunk (.sparse._next_size)
-            d, blk = 3 * self.max_density(), self.block
-            per_elem = 4 * d + 8 * d / blk + 6 * d / blk  # values, sets, proposals
-            elems = int((base - 64 - 2 * math.ceil(n / 8) - 12 * blk) / per_elem)
-        else:  # dct: every sender's entries must fit the owner's broadcast together
-            cap = (base - 64 - 2 * math.ceil(n / 8)) // (8 * n)
-            elems = int(cap / (2 * self.max_density()))
+        else:
+            elems = budget.chunk_elems(self, base, n)
         share = -(-numel // n)  # every owner keeps a share of the bucket
         elems = max(base // itemsize, min(elems, share))
         return elems * itemsize

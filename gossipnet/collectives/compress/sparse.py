@@ -22,35 +22,40 @@ answers: counted, it is gone from ``e`` for good; not counted, it goes back
 into ``e`` (sent again later).  Never counted twice, never dropped unseen: a
 contribution whose two answers were both lost (about p^2) is assumed counted
 and counted in ``ef_unresolved``.
+
+Value codecs (``values=``, :func:`.quant.code_values`): a contribution's values
+travel rounded (bf16, or int8 with one scale per packet); the sender keeps the
+rounding error in ``e`` (``e <- u - decoded`` at the set) and its ``pending``
+entry holds the *decoded* values, what the owner adds, so the ledger's
+conservation holds exactly (an owner's own share of its chunks takes no packet
+and goes unrounded).  The owner's broadcast of the averages is rounded
+once more and not error-fed (int8: at most 1/254 of the packet's largest
+magnitude per value); the owner applies the decoded values itself, so every
+replica holds the same bits.  Parameters (the optimizer's broadcast) go float32.
 """
 
 from __future__ import annotations
 
-import math
 import struct
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gossipnet.collectives.compress import dct, topk
+from gossipnet.collectives.compress import budget, dct, topk
 from gossipnet.collectives.compress.payload import NONE, Bad, Reader, Z, bitmap, in_bitmap, join
+from gossipnet.collectives.compress.quant import CODEC_IDS, code_values
 from gossipnet.collectives.compress.state import SessionState as CompressSession
 
 __all__ = ("compress_own", "decode_ag", "decode_rs", "dct_threshold", "encode_ag", "encode_rs")
 
-_TOPK_RS = struct.Struct("<QII")
-_TOPK_AG = struct.Struct("<QQHIIIB")
-_DCT_RS = struct.Struct("<I")
-_DCT_AG = struct.Struct("<QHIB")
+_TOPK_RS = struct.Struct("<QIIB")
+_TOPK_AG = struct.Struct("<QQHIIIBB")
+_DCT_RS = struct.Struct("<IB")
+_DCT_AG = struct.Struct("<QHIBB")
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
 dct_threshold = dct.threshold
-
-
-def _dct_cap(sess: CompressSession, n: int) -> int:
-    """Entries a DCT chunk of ``n`` may carry (the chunk was sized for it)."""
-    return max(1, min(n, math.ceil(2 * sess.max_density() * n)))
 
 
 def _set_in_force(
@@ -78,7 +83,7 @@ def compress_own(sess: CompressSession, rnd: Any) -> None:
             if sess.family == "topk":
                 idx = topk.block_indices(_set_in_force(sess, rnd, b, c, n)[1], sess.block, n)
             else:
-                idx = dct.select(u_c, sess.theta[b], _dct_cap(sess, n))
+                idx = dct.select(u_c, sess.theta[b], budget.dct_cap(sess, n))
             acc = red.acc[off - start : off - start + n]
             acc.zero_()
             if w > 0:
@@ -108,11 +113,10 @@ def encode_rs(sess: CompressSession, rnd: Any, owner: str, b: int, c: int) -> tu
     off, n = rnd.plans[b].chunk(c)
     u_c, e_c = sess.u[b][off : off + n], sess.e[b][off : off + n]
     if sess.family == "dct":
-        idx = dct.select(u_c, sess.theta[b], _dct_cap(sess, n)) if sess.weight > 0 else _EMPTY
-        vals = u_c[idx]
-        _pending(sess, rnd, owner, b, c, idx + off, vals)
-        e_c[idx] = 0
-        return Z.DCT_RS, join(_DCT_RS.pack(idx.numel()), idx.to(torch.int32), vals)
+        idx = dct.select(u_c, sess.theta[b], budget.dct_cap(sess, n)) if sess.weight > 0 else _EMPTY
+        parts = _send(sess, rnd, owner, b, c, idx, off)
+        head = _DCT_RS.pack(idx.numel(), CODEC_IDS[sess.values])
+        return Z.DCT_RS, join(head, idx.to(torch.int32), *parts)
     blk = sess.block
     held = sess.ann.get((b, c))
     tag, blocks = NONE, None
@@ -124,40 +128,30 @@ def encode_rs(sess: CompressSession, rnd: Any, owner: str, b: int, c: int) -> tu
         tag, blocks = held[1], held[2]
     else:
         sess.counters["missed_announcement"] += 1
-    vals = torch.zeros(0)
+    idx = _EMPTY
     if blocks is not None:
         idx = topk.block_indices(blocks, blk, n)
-        vals = u_c[idx]
-        _pending(sess, rnd, owner, b, c, idx + off, vals)
-        e_c[idx] = 0
     else:
         tag = NONE
-    ids, props = _proposals(sess, b, topk.sketch(e_c + sess.m[b][off : off + n], blk), vals.numel())
-    head = _TOPK_RS.pack(tag, ids.numel(), vals.numel())
-    return Z.TOPK_RS, join(head, ids.to(torch.int32), props.to(torch.bfloat16), vals)
+    parts = _send(sess, rnd, owner, b, c, idx, off)
+    ids, props = budget.proposals(
+        sess, b, topk.sketch(e_c + sess.m[b][off : off + n], blk), idx.numel()
+    )
+    head = _TOPK_RS.pack(tag, ids.numel(), idx.numel(), CODEC_IDS[sess.values])
+    return Z.TOPK_RS, join(head, ids.to(torch.int32), props.to(torch.bfloat16), *parts)
 
 
-def _proposals(
-    sess: CompressSession, b: int, res: torch.Tensor, nvals: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our sketch of a chunk: the blocks of its residual (block norms ``res``) among
-    the top ``2K`` of our whole bucket, as (ids, norms): a sparse sketch.
-
-    Why sparse: a norm per block of every chunk cost 2/B bytes per element, three
-    times the values themselves at density 0.01; the owner only ranks the
-    largest blocks, so the candidates near the top are all it needs (blocks
-    nobody proposes sum to 0).  Capped by what still fits the packet.
-    """
-    tau = sess.tau2.get(b)
-    if tau is None:
-        own = topk.sketch(sess.u[b], sess.block)
-        k = max(1, min(own.numel(), 2 * round(sess.density(b) * own.numel())))
-        tau = sess.tau2[b] = float(torch.topk(own, k).values[-1])
-    ids = torch.nonzero((res >= tau) & (res > 0)).flatten()
-    room = max(0, (sess.base_chunk - 64 - 4 * nvals) // 6)
-    if ids.numel() > room:
-        ids = torch.sort(ids[torch.topk(res[ids], room).indices]).values
-    return ids, res[ids]
+def _send(
+    sess: CompressSession, rnd: Any, owner: str, b: int, c: int, idx: torch.Tensor, off: int
+) -> list[torch.Tensor]:
+    """The coded values of ``u`` at ``idx`` (chunk-relative) for ``owner``: they leave
+    ``e`` as ``pending`` (what the owner will decode); ``e`` keeps the rounding error."""
+    at = idx + off
+    vals = sess.u[b][at]
+    parts, decoded = code_values(vals, sess.values)
+    _pending(sess, rnd, owner, b, c, at, decoded)
+    sess.e[b][at] = vals - decoded
+    return parts
 
 
 def _bootstrap(sess: CompressSession, rnd: Any, b: int, c: int, n: int) -> torch.Tensor:
@@ -198,22 +192,24 @@ def decode_rs(
     if sess.family == "dct":
         if z != Z.DCT_RS:
             raise Bad("compressed_kind")
-        (nnz,) = r.struct(_DCT_RS)
-        if nnz > _dct_cap(sess, n):
+        nnz, codec = r.struct(_DCT_RS)
+        _same_codec(sess, codec)
+        if nnz > budget.dct_cap(sess, n):
             raise Bad("compressed_count")
         idx = r.indices(nnz, n)
-        dense[idx] = r.values(nnz)
+        dense[idx] = r.coded(nnz, sess.values)
         r.done()
         return _got(sess, key, src, w, dense)
     if z != Z.TOPK_RS:
         raise Bad("compressed_kind")
-    tag, nprop, nvals = r.struct(_TOPK_RS)
+    tag, nprop, nvals, codec = r.struct(_TOPK_RS)
+    _same_codec(sess, codec)
     m = topk.block_count(n, sess.block)
     ids = r.indices(nprop, m)
     sk = r.tensor(torch.bfloat16, nprop).to(torch.float32)
     if not bool(torch.isfinite(sk).all()) or bool((sk < 0).any()):
         raise Bad("non_finite")
-    vals = r.values(nvals)
+    vals = r.coded(nvals, sess.values)
     r.done()
     energy = torch.zeros(m)
     energy[ids] = sk.square_().mul_(w)
@@ -234,6 +230,13 @@ def decode_rs(
         raise Bad("compressed_count")
     dense[idx] = vals
     return _got(sess, key, src, w, dense)
+
+
+def _same_codec(sess: CompressSession, codec: int) -> None:
+    """A payload whose values are in another codec than ours: a peer with another
+    ``values=`` setting (its chunking differs too), never read as ours."""
+    if codec != CODEC_IDS[sess.values]:
+        raise Bad("compressed_kind")
 
 
 def _got(
@@ -270,53 +273,37 @@ def encode_ag(
                 _counted(sess, p, b)[off : off + n].add_(got)
     values = values.detach().to(torch.float32)
     param = sess.param_mode
+    codec = CODEC_IDS[sess.values]
     if sess.family == "dct":
         idx = _EMPTY if param else torch.nonzero(values).flatten()
-        vals = values if param else values[idx]
-        head = _DCT_AG.pack(prev_round, len(parts), vals.numel(), int(param))
-        payload = join(head, bitmap(bits), bitmap(prev_bits), idx.to(torch.int32), vals)
+        coded, vals = _broadcast_values(sess, values, idx, param)
+        head = _DCT_AG.pack(prev_round, len(parts), vals.numel(), int(param), codec)
+        payload = join(head, bitmap(bits), bitmap(prev_bits), idx.to(torch.int32), *coded)
         return Z.DCT_AG, payload, _spread(values, idx, vals, param)
     _, cur = _set_in_force(sess, rnd, b, c, n)
     m = topk.block_count(n, sess.block)
     energy = sess.sk.get(key, torch.zeros(m))
-    nxt = topk.choose_blocks(energy, _next_size(sess, rnd, b, off, n))
+    nxt = topk.choose_blocks(energy, budget.next_size(sess, rnd, b, off, n))
     sess.force[key] = (rnd.r, nxt)
     idx = topk.block_indices(cur, sess.block, n)
-    vals = values if param else values[idx]
+    coded, vals = _broadcast_values(sess, values, idx, param)
     head = _TOPK_AG.pack(
-        rnd.r, prev_round, len(parts), cur.numel(), nxt.numel(), vals.numel(), int(param)
+        rnd.r, prev_round, len(parts), cur.numel(), nxt.numel(), vals.numel(), int(param), codec
     )
     payload = join(
-        head, bitmap(bits), bitmap(prev_bits), cur.to(torch.int32), nxt.to(torch.int32), vals
+        head, bitmap(bits), bitmap(prev_bits), cur.to(torch.int32), nxt.to(torch.int32), *coded
     )
     return Z.TOPK_AG, payload, _spread(values, idx, vals, param)
 
 
-def _next_size(sess: CompressSession, rnd: Any, b: int, off: int, n: int) -> int:
-    """How many blocks the next set of chunk ``[off, off + n)`` holds: its share of
-    the bucket's budget, at least one, at most what fits a packet.
-
-    Why not ``density`` of every chunk: gradient mass is not spread evenly over a
-    bucket (a layer's bias, the last layer), and an equal budget per chunk
-    wasted it (measured on a regression: held-out MSE 0.117 with a budget per
-    chunk, 0.046 with one for the bucket, dense 0.036).  The share: how many of
-    the top ``K = density x blocks`` blocks of our *own* whole-bucket sketch fall
-    in the chunk (the owner sees only its chunks' summed sketches; where the
-    mass sits is what peers share).  Which blocks: the chunk's top by the summed sketch.
-    """
-    blk = sess.block
-    hot = sess.hot.get(b)
-    if hot is None:
-        own = topk.sketch(sess.e[b] + sess.m[b], blk).square_()
-        k = max(1, min(own.numel(), round(sess.density(b) * own.numel())))
-        tau = torch.topk(own, k).values[-1]
-        hot = sess.hot[b] = torch.cumsum(((own >= tau) & (own > 0)).to(torch.int64), 0)
-    lo, hi = -(-off // blk), -(-(off + n) // blk)
-    share = int(hot[hi - 1]) - (int(hot[lo - 1]) if lo > 0 else 0) if hi > lo else 0
-    m = topk.block_count(n, blk)
-    nparts = len(rnd.participants)
-    cap = (sess.base_chunk - 64 - 2 * m - 2 * math.ceil(nparts / 8)) // (4 * blk + 8)
-    return max(1, min(share, cap, m))
+def _broadcast_values(
+    sess: CompressSession, values: torch.Tensor, idx: torch.Tensor, param: bool
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(what travels, what receivers decode) of a broadcast: parameters float32 (a
+    rounded parameter would stay rounded), averages at ``idx`` in our codec."""
+    if param:
+        return [values], values
+    return code_values(values[idx], sess.values)
 
 
 def _spread(
@@ -342,13 +329,15 @@ def decode_ag(
     if sess.family == "dct":
         if z != Z.DCT_AG:
             raise Bad("compressed_kind")
-        prev_round, nparts, nvals, vkind = r.struct(_DCT_AG)
+        prev_round, nparts, nvals, vkind, codec = r.struct(_DCT_AG)
+        _same_codec(sess, codec)
         bm, bmp = _bitmaps(r, nparts, len(parts), vkind)
         idx = r.indices(nvals, n) if vkind == 0 else _EMPTY
     else:
         if z != Z.TOPK_AG:
             raise Bad("compressed_kind")
-        tag, prev_round, nparts, ncur, nnext, nvals, vkind = r.struct(_TOPK_AG)
+        tag, prev_round, nparts, ncur, nnext, nvals, vkind, codec = r.struct(_TOPK_AG)
+        _same_codec(sess, codec)
         bm, bmp = _bitmaps(r, nparts, len(parts), vkind)
         m = topk.block_count(n, sess.block)
         cur = r.indices(ncur, m)
@@ -356,7 +345,7 @@ def decode_ag(
         if tag != rnd.r:
             raise Bad("compressed_tag")
         idx = topk.block_indices(cur, sess.block, n) if vkind == 0 else _EMPTY
-    vals = r.values(nvals)
+    vals = r.values(nvals) if vkind else r.coded(nvals, sess.values)
     r.done()
     if nvals != (n if vkind else idx.numel()):
         raise Bad("compressed_count")

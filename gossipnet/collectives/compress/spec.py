@@ -24,11 +24,16 @@ __all__ = (
     "Compression",
     "Int8",
     "Sparse",
+    "VALUE_CODECS",
     "resolve",
 )
 
 #: The string forms of ``compress=``: half-precision casts of every value.
 QUANT_NAMES = ("bf16", "fp16")
+
+#: How the sparse compressors' values travel (``values=``): float32, a bf16 cast, or
+#: int8 with one float32 scale per packet.
+VALUE_CODECS = ("fp32", "bf16", "int8")
 
 
 def _density(name: str, value: object) -> float:
@@ -37,6 +42,12 @@ def _density(name: str, value: object) -> float:
     if not 0.0 < float(value) <= 1.0:
         raise ConfigError(f"{name} must be in (0, 1], got {value!r}")
     return float(value)
+
+
+def _values(name: str, value: object) -> None:
+    if not isinstance(value, str) or value not in VALUE_CODECS:
+        accepted = ", ".join(repr(v) for v in VALUE_CODECS)
+        raise ConfigError(f"{name} must be one of {accepted}, got {value!r}")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -65,11 +76,17 @@ class ArcTopK:
             0.01, 300 steps: block 16 reached MSE 5.65, block 32 8.6, dense 2.69).
         eta: EF21M momentum of the error feedback, in (0, 1]: ``v <- (1-eta) v + eta g``;
             1 is plain error feedback (use it when the base optimizer has momentum).
+        values: how the values travel: ``"fp32"``, ``"bf16"`` (2 bytes each) or
+            ``"int8"`` (1 byte each and one float32 scale per packet). The
+            contributions' rounding error stays in the error feedback; the owner's
+            broadcast of the averages is rounded once, not error-fed (int8: at most
+            1/254 of the packet's largest magnitude); parameters go float32.
     """
 
     density: float = 0.01
     block: int = 16
     eta: float = 1.0
+    values: str = "fp32"
 
     def __post_init__(self) -> None:
         _density("ArcTopK.density", self.density)
@@ -77,6 +94,7 @@ class ArcTopK:
         if not (isinstance(b, int) and 8 <= b <= 4096 and b & (b - 1) == 0):
             raise ConfigError(f"ArcTopK.block must be a power of two in [8, 4096], got {b!r}")
         _density("ArcTopK.eta", self.eta)
+        _values("ArcTopK.values", self.values)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,11 +108,14 @@ class DCT:
         density: expected fraction of entries sent, in (0, 1]; sets the quantile.
         quantile: alternatively the quantile itself, in [0, 1) (``1 - density``).
         refresh_every: rounds between threshold refreshes, >= 1.
+        values: how the values travel, as :class:`ArcTopK`'s ``values`` (the
+            indices stay u32).
     """
 
     density: float | None = None
     quantile: float | None = None
     refresh_every: int = 1000
+    values: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.density is not None and self.quantile is not None:
@@ -106,6 +127,7 @@ class DCT:
         elif self.density is not None:
             _density("DCT.density", self.density)
         _positive_int("DCT.refresh_every", self.refresh_every)
+        _values("DCT.values", self.values)
 
     @property
     def keep(self) -> float:
@@ -131,7 +153,8 @@ class Accordion:
 
     Attributes:
         low: the light compression (e.g. ``ArcTopK(density=0.1)``).
-        high: the heavy one, the same family and block (e.g. ``ArcTopK(density=0.01)``).
+        high: the heavy one, the same family, block, eta and values (e.g.
+            ``ArcTopK(density=0.01)``).
         interval: rounds per interval, >= 1.
         threshold: relative change that marks a critical regime, > 0 (the authors': 0.5).
     """
@@ -156,6 +179,11 @@ class Accordion:
             and (lo.block, lo.eta) != (hi.block, hi.eta)
         ):
             raise ConfigError("Accordion's ArcTopK settings may differ in density only")
+        if lo.values != hi.values:
+            raise ConfigError(
+                "Accordion.low and .high must send values alike,"
+                f" got {lo.values!r} and {hi.values!r}"
+            )
         if density_of(self.low) < density_of(self.high):
             raise ConfigError("Accordion.low must be the lighter compression (density >= high's)")
         _positive_int("Accordion.interval", self.interval)

@@ -36,7 +36,9 @@ class Ledger:
     owner's answer never heard: assumed counted; ``unresolved_abs`` sums their
     magnitudes, a bound on what may have been lost).  Owner side: ``counted[src]``,
     what the owner added from ``src`` (its ground truth).  Conservation:
-    ``put_in == confirmed + e + pending + unresolved`` (plain EF, ``eta == 1``).
+    ``put_in == confirmed + e + pending + unresolved`` (plain EF, ``eta == 1``),
+    with any value codec: what is sent leaves ``e`` as its decoded value and the
+    rounding error stays in ``e``.
     """
 
     put_in: list[torch.Tensor] = field(default_factory=list)
@@ -71,6 +73,8 @@ class SessionState:
         self.block = sparse_spec.block if isinstance(sparse_spec, ArcTopK) else 0
         self.eta = sparse_spec.eta if isinstance(sparse_spec, ArcTopK) else 1.0
         self.refresh_every = sparse_spec.refresh_every if isinstance(sparse_spec, DCT) else 1
+        # how the sparse families' values travel (.quant.code_values)
+        self.values = sparse_spec.values if sparse_spec is not None else "fp32"
         self.e: list[torch.Tensor] = []
         self.m: list[torch.Tensor] = []
         self.u: list[torch.Tensor] = []
@@ -82,7 +86,7 @@ class SessionState:
         self.sk: dict[tuple[int, int], torch.Tensor] = {}
         self.sk_w: dict[tuple[int, int], float] = {}  # weight of the sketches summed
         # per bucket, this round: running count of our own whole-bucket sketch's top
-        # blocks, which shares the bucket's budget out over the chunks (.sparse._next_size)
+        # blocks, which shares the bucket's budget out over the chunks (.budget.next_size)
         self.hot: dict[int, torch.Tensor] = {}
         self.tau2: dict[int, float] = {}  # per bucket, this round: our sketch's cut
         self.valueless: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
