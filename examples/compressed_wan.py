@@ -2,6 +2,7 @@
 
     .venv/bin/python examples/compressed_wan.py                 # 4 peers, 10% loss, ~15 s
     .venv/bin/python examples/compressed_wan.py --loss 0 --steps 200 --density 0.01
+    .venv/bin/python examples/compressed_wan.py --values fp32  # float32 values (default int8)
 
 Four peers run in this process (each with its own network thread, on an
 in-memory network that drops ``--loss`` of the packets, seeded), and train the
@@ -87,8 +88,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--loss", type=float, default=0.1, help="packet loss rate, 0..1")
     parser.add_argument("--density", type=float, default=0.05, help="ArcTopK density")
+    parser.add_argument(
+        "--values", default="int8", choices=["fp32", "bf16", "int8"], help="ArcTopK value codec"
+    )
     args = parser.parse_args()
-    topk = gossipnet.ArcTopK(density=args.density)
+    topk = gossipnet.ArcTopK(density=args.density, values=args.values)
     runs = {"dense": ("opt", None), "opt+arctopk": ("opt", topk), "ddp+arctopk": ("ddp", topk)}
     summary: dict[str, Any] = {}
     for name, (mode, compress) in runs.items():

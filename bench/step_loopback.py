@@ -1,0 +1,110 @@
+"""A training step and a bare all-reduce over UDP loopback: wall, CPU and packets lost.
+
+Why: the namespace testbed (``bench/testbed.py``) is the figure that counts, but it
+needs root and several minutes; this is the same model and optimizer (the
+testbed's 17.1 MB teacher-student MLP, ``peer.optimizer(SGD momentum)``, 8 KiB
+chunks, UDP) on 127.0.0.1 in about 30 s, to compare two builds of the packet path
+back to back: run it once per checkout (``PYTHONPATH`` picks the build).
+
+Four spawned processes each join over ``udp://127.0.0.1``; per op (``grads``:
+forward and backward only; ``step``: grads + ``opt.step()``; ``allreduce``:
+``net.all_reduce`` of a tensor of the model's size) 2 warm-up calls, then
+``--reps`` timed ones.  Wall: the slowest process's mean seconds per call; CPU:
+the processes' mean ``process_time`` per call (all threads); lost: the reports'
+``packets_lost`` summed over processes and reps (on loopback at 0% loss anything
+above 0 is the protocol cutting phases early, or kernel buffer drops).
+
+    .venv/bin/python bench/step_loopback.py              # 15 reps
+    PYTHONPATH=/tmp/before .venv/bin/python bench/step_loopback.py   # another build
+
+The last stdout line is one JSON object: per op ``wall_s``, ``cpu_s``, ``lost``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+from _common import bench_parser, emit_json, free_ports
+
+WORLD = 4
+OPS = ("grads", "step", "allreduce")
+
+
+def _worker(rank: int, ports: list[int], reps: int, q: Any) -> None:
+    import torch
+
+    import gossipnet
+    from gossipnet.testbed.train import batch_for, make_model, make_teacher
+
+    torch.set_num_threads(1)
+    addrs = [f"udp://127.0.0.1:{p}" for p in ports]
+    net = gossipnet.join(addrs, addrs[rank], secret=b"bench-step", peer_id=f"h{rank}",
+                         chunk_bytes=8192, wait_for=WORLD, resync_every_steps=0,
+                         collective_timeout_s=10)  # fmt: skip
+    model, teacher = make_model(2048, 0), make_teacher(0)
+    opt = net.optimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    step_no = [0]
+
+    def grads() -> None:
+        model.zero_grad(set_to_none=True)
+        step_no[0] += 1
+        x, y = batch_for(teacher, 0, rank, step_no[0], 64)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+
+    def step() -> Any:
+        grads()
+        report = opt.step()
+        opt.zero_grad()
+        return report
+
+    ops = {"grads": grads, "step": step, "allreduce": lambda: net.all_reduce([flat], timeout=10)}
+    out: dict[str, tuple[float, float, int]] = {}
+    try:
+        for name in OPS:
+            op = ops[name]
+            op()
+            op()
+            lost = 0
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(reps):
+                report = op()
+                lost += getattr(report, "packets_lost", 0) or 0
+            out[name] = ((time.perf_counter() - t0) / reps, (time.process_time() - c0) / reps, lost)
+    finally:
+        net.close()
+    q.put((rank, out))
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    reps = 5 if args.quick else args.reps
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ports = free_ports(WORLD)
+    procs = [ctx.Process(target=_worker, args=(r, ports, reps, q)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    res = dict(q.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+    summary = {
+        name: {
+            "wall_s": round(max(r[name][0] for r in res.values()), 4),
+            "cpu_s": round(sum(r[name][1] for r in res.values()) / WORLD, 4),
+            "lost": sum(r[name][2] for r in res.values()),
+        }
+        for name in OPS
+    }
+    for name, row in summary.items():
+        wall, cpu, lost = row["wall_s"], row["cpu_s"], row["lost"]
+        print(f"{name:10s} wall {wall:.4f} s  cpu {cpu:.4f} s  lost {lost}")
+    emit_json({"reps": reps, **summary})
+
+
+if __name__ == "__main__":
+    main()
