@@ -133,7 +133,10 @@ class Peer:
         return self._runtime.alive_peers()
 
     def stats(self) -> dict[str, Any]:
-        """Transport, fault and wire counters (a snapshot)."""
+        """Transport, fault, wire and engine counters (a snapshot): ``transport``,
+        ``faults``, ``wire_rejects`` (packets refused before any protocol saw them, by
+        reason), ``engine_drops`` (per collective engine, e.g. ``"lossy:ar"``: data
+        refused as late, duplicate, for another layout, ...), ``heartbeat_errors``."""
         return self._runtime.stats()
 
     def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:

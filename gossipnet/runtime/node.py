@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from typing import Any
 
 from gossipnet.clock import Clock, MonotonicClock
@@ -92,6 +92,10 @@ class Node:
         self.beacon = members.beacon
         #: heartbeats that failed or beacon values withheld, by reason (see stats())
         self.heartbeat_errors = members.heartbeat_errors
+        #: per protocol engine above (e.g. ``"lossy:ar"``), its dropped packets by
+        #: reason: a counter it keeps and registers here, so ``stats()`` shows every
+        #: drop without this layer knowing the engines
+        self.drop_counters: dict[str, Mapping[str, int]] = {}
         # the parts' methods, bound once: no forwarding call on the per-packet path
         self.send = io.send
         self.send_many = io.send_many
@@ -182,7 +186,7 @@ class Node:
         return self.io.closed
 
     def stats(self) -> dict[str, Any]:
-        """Transport, fault, wire and heartbeat counters (a snapshot)."""
+        """Transport, fault, wire, heartbeat and engine-drop counters (a snapshot)."""
         out: dict[str, Any] = {"peer_id": self.peer_id, "address": self.address, "pid": os.getpid()}
         if self.transport is not None:
             out["transport"] = self.transport.stats.as_dict()
@@ -193,4 +197,5 @@ class Node:
         out["wire_accepted"] = self.codec.accepted
         out["unhandled_kinds"] = dict(self.unhandled)
         out["heartbeat_errors"] = dict(self.heartbeat_errors)
+        out["engine_drops"] = {name: dict(c) for name, c in self.drop_counters.items()}
         return out

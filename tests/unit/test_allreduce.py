@@ -788,6 +788,8 @@ def test_packets_of_an_old_round_are_counted_late(
             for x in inputs:
                 torch.testing.assert_close(x[0].double(), mean, rtol=1e-6, atol=1e-6)
             assert engines[0].dropped["late"] == late + 1
+            # the user sees it without reaching into the engine
+            assert nodes[0].stats()["engine_drops"]["lossy:ar"]["late"] == late + 1
 
     run_async(main())
 

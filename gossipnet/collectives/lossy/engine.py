@@ -86,6 +86,7 @@ class LossyAllReduce(Intake):
         self._pool = BufferPool()
         self.loss = LossWatch()  # recent loss, ours and our peers': END copies, parity
         self.dropped: collections.Counter[str] = collections.Counter()
+        node.drop_counters[f"lossy:{tag}"] = self.dropped  # in node.stats()
         # each peer's latest layout (fingerprint, description) from its heartbeats, to
         # name both layouts when a round hears another one
         self.peer_layouts: dict[str, tuple[int, str]] = {}
