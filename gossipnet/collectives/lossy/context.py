@@ -67,3 +67,12 @@ class PhaseContext(Protocol):
     def note_after_end(self, rnd: Round, pkt: Packet) -> None:
         """``pkt``, a data packet of ``rnd``, may follow its sender's END: learn the lag."""
         ...
+
+    def note_stall(self, rnd: Round, pkt: Packet) -> None:
+        """``pkt``, a data packet of ``rnd``, came after its phase cut its sender: learn how
+        long the sender was quiet (:class:`.cut.StallWindow`)."""
+        ...
+
+    def quiet_wait(self, rnd: Round) -> float:
+        """The learned silence before a phase of ``rnd`` cuts a sender (0: the default)."""
+        ...

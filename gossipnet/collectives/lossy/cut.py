@@ -21,7 +21,7 @@ from gossipnet.collectives.lossy.round import Phase
 from gossipnet.config import Config
 from gossipnet.runtime.node import Node
 
-__all__ = ("ReorderWindow", "cut_time", "wait_phase")
+__all__ = ("ReorderWindow", "StallWindow", "cut_time", "wait_phase")
 
 #: How long after a sender is known to have moved past a phase we still wait for its
 #: packets of that phase (in flight, or reordered behind its later packets).
@@ -66,6 +66,42 @@ class ReorderWindow:
         return min(self.cap_s, 1.5 * max(recent)) if recent else 0.0
 
 
+class StallWindow:
+    """How long a sender that went quiet mid-stream may still resume, learned.
+
+    Why: a phase cuts a sender whose packets stopped once nobody has delivered for
+    ``Config.phase_min_wait_s`` (its remaining packets are taken as lost).  On a
+    crowded machine a live peer's process can stop sending for longer than that
+    (descheduled, or its loop busy with a large drain): cutting it then leaves its
+    chunks out of the round at 0% loss, and its packets arrive late.  Each such
+    late packet from a sender that was cut mid-stream teaches how long it really
+    was quiet; while some were seen within the last ``memory_rounds`` rounds,
+    phases wait ``1.5 x`` the longest such stall (at most ``cap_s``) before
+    cutting.  Lost packets never arrive, so pure loss teaches nothing and lossy
+    rounds stay as short as before.
+
+    Args:
+        cap_s: the longest wait; a stall longer than this is an outage.
+        memory_rounds: how many rounds an observed stall keeps counting.
+    """
+
+    def __init__(self, cap_s: float = 0.5, memory_rounds: int = 32) -> None:
+        if cap_s < 0 or memory_rounds < 1:
+            raise ValueError(f"cap_s must be >= 0 and memory_rounds >= 1: {cap_s}, {memory_rounds}")
+        self.cap_s = cap_s
+        self.memory_rounds = memory_rounds
+        self._stalls: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+
+    def observe(self, stall_s: float, round_: int) -> None:
+        """A sender cut in round ``round_`` resumed after ``stall_s`` of silence."""
+        self._stalls.append((round_, max(0.0, stall_s)))
+
+    def allowance(self, round_: int) -> float:
+        """Seconds of silence before a phase of round ``round_`` cuts (0: the default)."""
+        recent = [s for r, s in self._stalls if r > round_ - self.memory_rounds]
+        return min(self.cap_s, 1.5 * max(recent)) if recent else 0.0
+
+
 async def wait_phase(
     node: Node,
     phase: Phase,
@@ -73,6 +109,7 @@ async def wait_phase(
     deadline: float,
     expected: Callable[[str], int],
     announce: Callable[[], None] | None = None,
+    quiet: Callable[[], float] | None = None,
 ) -> bool:
     """Wait until every expected END arrived, or give up; True if complete.
 
@@ -99,6 +136,8 @@ async def wait_phase(
 
     Args:
         expected: packets a sender sends us in this phase if it shares our view.
+        quiet: the learned silence before a cut (:class:`StallWindow`), if longer
+            than ``Config.phase_min_wait_s``.
     """
     clock = node.clock
     interval = END_REPEAT_S
@@ -106,6 +145,7 @@ async def wait_phase(
     while not phase.complete:
         # re-read each pass: senders finishing this very phase teach a cold engine
         per_packet = statistics.median(history) if history else float("inf")
+        silence = max(node.config.phase_min_wait_s, quiet() if quiet is not None else 0.0)
         now = clock.now()
         if now >= deadline:
             return False
@@ -119,7 +159,10 @@ async def wait_phase(
         if all(p in phase.first or p in phase.moved_on for p in pending):
             cut_at = min(
                 deadline,
-                max(cut_time(node.config, phase, p, per_packet, expected(p)) for p in pending),
+                max(
+                    cut_time(node.config, phase, p, per_packet, expected(p), silence)
+                    for p in pending
+                ),
             )
             if now >= cut_at:
                 return False
@@ -140,10 +183,18 @@ async def wait_phase(
     return True
 
 
-def cut_time(cfg: Config, phase: Phase, peer: str, per_packet: float, expected: int) -> float:
+def cut_time(
+    cfg: Config,
+    phase: Phase,
+    peer: str,
+    per_packet: float,
+    expected: int,
+    silence: float | None = None,
+) -> float:
     """When to stop waiting for ``peer``: ``factor x`` its expected sending time
     (learned seconds per packet x packets expected) after its first packet, and
-    never while any sender of the phase delivered within ``phase_min_wait_s``.
+    never while any sender of the phase delivered within ``silence`` (default
+    ``phase_min_wait_s``; longer where :class:`StallWindow` learned stalls).
 
     Why silence is counted on the whole phase, not on ``peer`` alone: a sender
     that is also an owner receives everyone's chunks while it sends its own, and
@@ -160,4 +211,5 @@ def cut_time(cfg: Config, phase: Phase, peer: str, per_packet: float, expected: 
     if moved is not None:
         return max(moved, phase.last.get(peer, moved)) + MOVED_ON_GRACE_S
     allowance = max(cfg.phase_min_wait_s, cfg.phase_deadline_factor * per_packet * max(1, expected))
-    return max(phase.first[peer] + allowance, phase.latest + cfg.phase_min_wait_s)
+    quiet = cfg.phase_min_wait_s if silence is None else silence
+    return max(phase.first[peer] + allowance, phase.latest + quiet)

@@ -20,7 +20,7 @@ import torch
 
 from gossipnet.collectives.lossy import repair as _repair
 from gossipnet.collectives.lossy.context import PhaseName
-from gossipnet.collectives.lossy.cut import ReorderWindow, wait_phase
+from gossipnet.collectives.lossy.cut import ReorderWindow, StallWindow, wait_phase
 from gossipnet.collectives.lossy.gather import all_gather, replay_ag
 from gossipnet.collectives.lossy.intake import Intake
 from gossipnet.collectives.lossy.layout import layout_failure
@@ -82,6 +82,7 @@ class LossyAllReduce(Intake):
             "ag": collections.deque(maxlen=_SPAN_HISTORY),
         }
         self._reorder = ReorderWindow()  # how long an END waits for data it overtook
+        self._stalls = StallWindow()  # how long a phase waits for a sender gone quiet
         self._lock = asyncio.Lock()
         self._pool = BufferPool()
         self.loss = LossWatch()  # recent loss, ours and our peers': END copies, parity
@@ -241,6 +242,7 @@ class LossyAllReduce(Intake):
             deadline,
             lambda _peer: rnd.expect_rs,
             lambda: announce_rs_end(self, rnd),
+            lambda: self.quiet_wait(rnd),
         )
 
     def _note_loss(self, report: CollectiveReport) -> None:

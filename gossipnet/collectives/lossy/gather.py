@@ -66,6 +66,7 @@ async def all_gather(
         deadline,
         rnd.ag_expected,
         lambda: announce_ag_end(ctx, rnd),
+        lambda: ctx.quiet_wait(rnd),
     )
 
 

@@ -17,7 +17,7 @@ from typing import cast
 
 from gossipnet.collectives.lossy import repair as _repair
 from gossipnet.collectives.lossy.context import PhaseContext, PhaseName
-from gossipnet.collectives.lossy.cut import ReorderWindow
+from gossipnet.collectives.lossy.cut import ReorderWindow, StallWindow
 from gossipnet.collectives.lossy.gather import on_ag, on_ag_batch
 from gossipnet.collectives.lossy.layout import layout_conflict
 from gossipnet.collectives.lossy.loss_watch import LossWatch
@@ -51,6 +51,7 @@ class Intake:
     _nbuffered: int
     _spans: dict[PhaseName, collections.deque[float]]
     _reorder: ReorderWindow
+    _stalls: StallWindow
     _loss_key: str
     _layout_key: str
 
@@ -186,6 +187,7 @@ class Intake:
             last = self._last
             if last is not None and r == last.r and not last.repaired:
                 self.note_after_end(last, pkt)  # it came too late: learn how late
+                self.note_stall(last, pkt)
 
     def _dispatch(self, rnd: Round, pkt: Packet) -> None:
         if pkt.src not in rnd.members:
@@ -231,6 +233,22 @@ class Intake:
         ended = phase.ended.get(pkt.src)
         if ended is not None:
             self._reorder.observe(self.node.clock.now() - ended, rnd.r)
+
+    def note_stall(self, rnd: Round, pkt: Packet) -> None:
+        """A data packet of ``rnd`` arrived after its phase was over: if its sender had
+        been cut mid-stream (no END, not complete), it was alive and only quiet."""
+        if pkt.kind not in (self.k.rs_data, self.k.ag_data):
+            return
+        phase = rnd.rs if pkt.kind == self.k.rs_data else rnd.ag
+        src = pkt.src
+        last = phase.last.get(src)
+        if last is None or src in phase.done or src in phase.ended or src in phase.resumed:
+            return
+        phase.resumed.add(src)
+        self._stalls.observe(self.node.clock.now() - last, rnd.r)
+
+    def quiet_wait(self, rnd: Round) -> float:
+        return self._stalls.allowance(rnd.r)
 
     def _peer_loss_flag(self, pkt: Packet) -> None:
         """A peer's "I saw loss recently" flag, from its END markers or heartbeats."""

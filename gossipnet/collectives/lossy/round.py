@@ -79,6 +79,8 @@ class Phase:
     # the data it closes, until when we still wait for that data (a learned window)
     ended: dict[str, float] = field(default_factory=dict)
     hold: dict[str, float] = field(default_factory=dict)
+    # senders cut mid-stream whose late packets already taught their stall (.cut.StallWindow)
+    resumed: set[str] = field(default_factory=set)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

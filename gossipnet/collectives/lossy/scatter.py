@@ -224,6 +224,7 @@ def rs_part(ctx: PhaseContext, rnd: Round, pkt: Packet) -> RsPart | None:
         ctx.note_after_end(rnd, pkt)
     if rnd.rs_closed:  # our averages are taken (and may be on the wire): too late
         ctx.dropped["late"] += 1
+        ctx.note_stall(rnd, pkt)
         rnd.late += 1
         return None
     src = pkt.src
