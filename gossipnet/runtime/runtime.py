@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
@@ -55,6 +56,8 @@ class Runtime:
         self.config: Config = node.config
         if self.config.tune_malloc:
             tune_malloc()
+        if self.config.gc_freeze:
+            gc.freeze()  # no full-collection pauses mid-round over what exists now (Config)
         self.node = node
         self.loop_thread = LoopThread(
             f"gossipnet-{node.peer_id}", use_uvloop=self.config.use_uvloop

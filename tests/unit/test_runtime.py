@@ -87,3 +87,19 @@ def test_close_is_idempotent_and_final(runtime: Runtime) -> None:
         runtime.call(coro)
     with pytest.raises(ClosedError):
         runtime.submit(asyncio.sleep(0))
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_gc_freeze_at_join_is_a_setting(freeze: bool) -> None:
+    """``Config.gc_freeze``: what the collector tracks at start-up moves to its
+    permanent generation (no full-collection pauses over it mid-round), or not."""
+    import gc
+
+    gc.unfreeze()
+    cfg = Config(**FAST, gc_freeze=freeze)
+    rt = Runtime(Node(config=cfg, listen="mem://gcf", peer_id="gcf", network=MemoryNetwork()))
+    try:
+        assert (gc.get_freeze_count() > 0) is freeze
+    finally:
+        rt.close()
+        gc.unfreeze()
