@@ -5,7 +5,8 @@ Why: a phase cuts a sender whose packets stopped once nobody delivered for
 that (measured on 2 cores: 0.16-0.22 s mid reduce-scatter), and cutting it left
 its contributions out of the round at 0% loss.  Its packets then arrive late,
 which teaches the engine how long it was quiet (``cut.StallWindow``); later
-phases wait that long before cutting.  Pure loss never teaches it.
+phases wait that long before cutting, and its heartbeats tell its peers.  Pure
+loss never teaches it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ def test_a_stalled_sender_is_cut_once_then_waited_for(
             assert cut  # the stall is longer than phase_min_wait_s: some owner cut p1
             for i in cut:  # and each of them learned it from p1's late packets
                 assert engines[i].dropped["late"] > 0
-                assert engines[i]._stalls.allowance(engines[i].next_round) >= STALL_S
+                assert engines[i]._stalls.own(engines[i].next_round) >= 0.9 * STALL_S
+            # their heartbeats told the others, who never had to cut p1 to learn it
+            for e in engines:
+                assert e._stalls.allowance(e.next_round) >= STALL_S
             return reports
 
     reports = run_async(main())
@@ -131,6 +135,18 @@ def test_window_is_learned_capped_and_forgotten() -> None:
     assert w.allowance(9) == 0.0  # nothing seen within the last 4 rounds
     with pytest.raises(ValueError, match="cap_s"):
         StallWindow(cap_s=-1.0)
+
+
+def test_peers_announcements_count_and_are_forgotten() -> None:
+    w = StallWindow(cap_s=0.5, memory_rounds=4)
+    w.heard("b", 0.2)
+    assert w.own(0) == 0.0  # never announced back: no echo between peers
+    assert w.allowance(0) == pytest.approx(0.3)
+    w.heard("c", 9.0)  # capped
+    assert w.allowance(0) == 0.5
+    w.forget("c")
+    w.heard("b", 0.0)  # b's own observation aged out
+    assert w.allowance(0) == 0.0
 
 
 def test_cut_time_waits_the_learned_silence() -> None:

@@ -77,8 +77,11 @@ class StallWindow:
     late packet from a sender that was cut mid-stream teaches how long it really
     was quiet; while some were seen within the last ``memory_rounds`` rounds,
     phases wait ``1.5 x`` the longest such stall (at most ``cap_s``) before
-    cutting.  Lost packets never arrive, so pure loss teaches nothing and lossy
-    rounds stay as short as before.
+    cutting.  Each engine announces the longest stall it saw itself in its
+    heartbeats (:meth:`own`), and its peers wait as long (:meth:`heard`): the
+    hosts of one job tend to be alike, and every owner would otherwise pay one cut
+    before it learns.  Lost packets never arrive, so pure loss teaches nothing
+    and lossy rounds stay as short as before.
 
     Args:
         cap_s: the longest wait; a stall longer than this is an outage.
@@ -92,14 +95,33 @@ class StallWindow:
         self.memory_rounds = memory_rounds
         self._stalls: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
 
+        # what each peer announced it observed itself (heartbeat beacon), seconds
+        self._peers: dict[str, float] = {}
+
     def observe(self, stall_s: float, round_: int) -> None:
         """A sender cut in round ``round_`` resumed after ``stall_s`` of silence."""
         self._stalls.append((round_, max(0.0, stall_s)))
 
+    def own(self, round_: int) -> float:
+        """The longest stall we observed ourselves within the memory (0: none): what we
+        announce, so our peers wait before their own first cut (never an echo of theirs)."""
+        recent = [s for r, s in self._stalls if r > round_ - self.memory_rounds]
+        return max(recent, default=0.0)
+
+    def heard(self, peer: str, stall_s: float) -> None:
+        """``peer`` announced the longest stall it observed recently (0: none)."""
+        if stall_s > 0:
+            self._peers[peer] = min(self.cap_s, stall_s)
+        else:
+            self._peers.pop(peer, None)
+
+    def forget(self, peer: str) -> None:
+        self._peers.pop(peer, None)
+
     def allowance(self, round_: int) -> float:
         """Seconds of silence before a phase of round ``round_`` cuts (0: the default)."""
-        recent = [s for r, s in self._stalls if r > round_ - self.memory_rounds]
-        return min(self.cap_s, 1.5 * max(recent)) if recent else 0.0
+        longest = max(self.own(round_), max(self._peers.values(), default=0.0))
+        return min(self.cap_s, 1.5 * longest) if longest > 0 else 0.0
 
 
 async def wait_phase(

@@ -83,6 +83,7 @@ class LossyAllReduce(Intake):
         }
         self._reorder = ReorderWindow()  # how long an END waits for data it overtook
         self._stalls = StallWindow()  # how long a phase waits for a sender gone quiet
+        self._stall_key = tag + ".q"  # our heartbeat's longest observed stall, ms
         self._lock = asyncio.Lock()
         self._pool = BufferPool()
         self.loss = LossWatch()  # recent loss, ours and our peers': END copies, parity
@@ -99,6 +100,7 @@ class LossyAllReduce(Intake):
         node.on_membership(self._on_membership)
         node.beacon[self.tag] = 0
         node.beacon[self._loss_key] = 1  # until our own rounds show a quiet network
+        node.beacon[self._stall_key] = 0
 
     # ------------------------------------------------------------------ public
     async def run(
@@ -249,6 +251,8 @@ class LossyAllReduce(Intake):
         """Remember whether this round saw loss; tell the peers through our heartbeat."""
         self.loss.note(report)
         self.node.beacon[self._loss_key] = int(self.loss.recent)
+        # our own observed stalls, as they age out of the window (.cut.StallWindow)
+        self.node.beacon[self._stall_key] = round(1000 * self._stalls.own(report.round))
 
     def _others(self, rnd: Round) -> list[str]:
         return [p for p in rnd.participants if p != rnd.me]
@@ -275,6 +279,8 @@ class LossyAllReduce(Intake):
         return alignment(rnd.me, heard, rnd.elsewhere, rnd.r)
 
     def _on_membership(self, event: str, peer: str) -> None:
+        if event != "joined":
+            self._stalls.forget(peer)
         rnd = self._round
         if rnd is None or event == "joined":
             return

@@ -52,6 +52,7 @@ class Intake:
     _spans: dict[PhaseName, collections.deque[float]]
     _reorder: ReorderWindow
     _stalls: StallWindow
+    _stall_key: str
     _loss_key: str
     _layout_key: str
 
@@ -246,6 +247,7 @@ class Intake:
             return
         phase.resumed.add(src)
         self._stalls.observe(self.node.clock.now() - last, rnd.r)
+        self.node.beacon[self._stall_key] = round(1000 * self._stalls.own(rnd.r))
 
     def quiet_wait(self, rnd: Round) -> float:
         return self._stalls.allowance(rnd.r)
@@ -256,6 +258,9 @@ class Intake:
 
     def _on_heartbeat(self, pkt: Packet) -> None:
         self._peer_loss_flag(pkt)
+        stall_ms = pkt.fields.get(self._stall_key, 0)
+        if type(stall_ms) is int and 0 <= stall_ms <= 60_000:
+            self._stalls.heard(pkt.src, stall_ms / 1000)
         lay = pkt.fields.get(self._layout_key)
         if (
             isinstance(lay, list)
