@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-from typing import Any
 
 import torch
 
@@ -41,7 +40,6 @@ from gossipnet.collectives.lossy.parity import on_parity, send_parity
 from gossipnet.collectives.lossy.reducer import OwnedShard, ShardReducer
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.stale_step import StaleStep
-from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
 __all__ = ("all_gather", "announce_ag_end", "on_ag", "on_ag_batch", "replay_ag", "send_ag")
@@ -145,7 +143,7 @@ async def send_ag(
     node = ctx.node
     kind = ctx.k.ag_data
     others = [p for p in rnd.participants if p != rnd.me]
-    sent = 0  # packets (all destinations) since the last yield
+    sent = 0
     copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
     for shard, value in zip(shards, values, strict=True):
         b = shard.bucket
@@ -155,38 +153,34 @@ async def send_ag(
         code = DTYPE_CODES[rnd.dst[b].dtype]
         base = shard.start * plan.itemsize
         owned = rnd.owned[b]
-        ready = [c for c in owned if shard.weights[c - owned.start] > 0]
-        # (a chunk no weighted contribution arrived for has no average to share)
-        start = 0
-        while start < len(ready):
-            # chunks until YIELD_EVERY packets (all destinations) are sent since the last yield
-            take = max(1, -(-(YIELD_EVERY - sent) // max(1, len(others))))
-            chunks = ready[start : start + take]
-            start += take
-            rnd.ag_chunks_sent += len(chunks)
-            # compressed: each its own payload kind and bytes
-            packets = [
-                _compressed_ag(node, rnd, others, kind, b, c, encoded[c])
-                for c in chunks
-                if c in encoded
-            ]
-            plain = [c for c in chunks if c not in encoded]
-            if plain:
-                rows = [(b, c, plan.chunk(c)[1]) for c in plain]
-                payloads = []
-                for c in plain:
-                    span = plan.byte_slice(c)
-                    payloads.append(raw[span.start - base : span.stop - base])
-                # one encoding (one MAC) per chunk for every destination
-                common = {**rnd.ident, "dt": code}
-                packets += node.encode_run(others, kind, common, rows, payloads)
-            rnd.sent += node.send_batch(others, packets)
+        for c in owned:
+            if shard.weights[c - owned.start] <= 0:
+                continue  # no weighted contribution arrived: no average exists to share
+            rnd.ag_chunks_sent += 1
+            _, count = plan.chunk(c)
+            span = plan.byte_slice(c)
+            payload = raw[span.start - base : span.stop - base]
+            fields = {
+                **rnd.ident,
+                "b": b,
+                "c": c,
+                "dt": code,
+                "n": count,
+            }
+            z = encoded.get(c)
+            if z is not None:  # compressed: its own payload kind and bytes
+                fields.update(dt="u8", n=len(z[1]), z=int(z[0]))
+                payload = memoryview(z[1])
+            # one encoding (one MAC) for every destination
+            frames = node.encode_for(others, kind, fields, payload)
+            if rnd.codec is not None:
+                rnd.codec.sent(frames, len(others) * rnd.redundancy, count * 4)
+            rnd.sent += node.send_frames(others, frames)
             if copies is not None:
-                for frames in packets:
-                    copies.append((others, frames))
-                    if len(copies) > COPY_LAG:
-                        send_copy(node, rnd, copies.popleft())
-            sent += len(chunks) * len(others)
+                copies.append((others, frames))
+                if len(copies) > COPY_LAG:
+                    send_copy(node, rnd, copies.popleft())
+            sent += len(others)
             if sent >= YIELD_EVERY:
                 sent = 0
                 await asyncio.sleep(0)
@@ -199,17 +193,6 @@ async def send_ag(
     if not ends and rnd.ag_chunks_sent < rnd.expect_rs:  # expect_rs: the chunks we own
         ends = 1  # chunks withheld (no weight arrived): receivers need the count
     announce_ag_end(ctx, rnd, ends)
-
-
-def _compressed_ag(
-    node: Any, rnd: Round, others: list[str], kind: int, b: int, c: int, z: tuple[int, bytes]
-) -> list[Buffer]:
-    """The encoded broadcast of compressed chunk ``c`` (its payload kind ``z[0]``)."""
-    fields = {**rnd.ident, "b": b, "c": c, "dt": "u8", "n": len(z[1]), "z": int(z[0])}
-    frames: list[Buffer] = node.encode_for(others, kind, fields, memoryview(z[1]))
-    assert rnd.codec is not None
-    rnd.codec.sent(frames, len(others) * rnd.redundancy, rnd.plans[b].chunk(c)[1] * 4)
-    return frames
 
 
 def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
