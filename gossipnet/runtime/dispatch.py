@@ -132,6 +132,11 @@ class PacketIO:
         The packet names every one of ``peer_ids`` as its destination: send these
         frames to those peers only (any other drops them as ``destination``).
         """
+        local, dst = self._destination(peer_ids)
+        return self.codec.encode(kind, fields, payload, local=local, dst=dst)
+
+    def _destination(self, peer_ids: Sequence[str]) -> tuple[bool, str | Sequence[str]]:
+        """(every one of ``peer_ids`` is on a local channel, the packet's ``dst``)."""
         transport, members = self.transport, self.membership
         local = (
             transport is not None
@@ -139,8 +144,7 @@ class PacketIO:
             and bool(peer_ids)
             and all(transport.is_local(members.address_of(p) or "") for p in peer_ids)
         )
-        dst = peer_ids[0] if len(peer_ids) == 1 else peer_ids
-        return self.codec.encode(kind, fields, payload, local=local, dst=dst)
+        return local, peer_ids[0] if len(peer_ids) == 1 else peer_ids
 
     def send_many(
         self,
@@ -185,14 +189,7 @@ class PacketIO:
     ) -> list[list[Buffer]]:
         """:meth:`encode_for` of a run of data packets (``WireCodec.encode_run``):
         the same packets, the locality test made once for the run."""
-        transport, members = self.transport, self.membership
-        local = (
-            transport is not None
-            and members is not None
-            and bool(peer_ids)
-            and all(transport.is_local(members.address_of(p) or "") for p in peer_ids)
-        )
-        dst = peer_ids[0] if len(peer_ids) == 1 else peer_ids
+        local, dst = self._destination(peer_ids)
         return self.codec.encode_run(kind, common, rows, payloads, local=local, dst=dst)
 
     def send_batch(self, peer_ids: Sequence[str], packets: Sequence[list[Buffer]]) -> int:

@@ -31,7 +31,29 @@ END_REPEAT_S = 0.02
 END_REPEAT_MAX_S = 0.1
 
 
-class ReorderWindow:
+class _LearnedWait:
+    """Delays observed in recent rounds and the wait they justify: ``1.5 x`` the
+    longest seen within the last ``memory_rounds`` rounds, at most ``cap_s``, 0 when
+    none was.  The two windows below differ only in what they observe."""
+
+    def __init__(self, cap_s: float, memory_rounds: int) -> None:
+        if cap_s < 0 or memory_rounds < 1:
+            raise ValueError(f"cap_s must be >= 0 and memory_rounds >= 1: {cap_s}, {memory_rounds}")
+        self.cap_s = cap_s
+        self.memory_rounds = memory_rounds
+        self._seen: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+
+    def _note(self, delay_s: float, round_: int) -> None:
+        self._seen.append((round_, max(0.0, delay_s)))
+
+    def _longest(self, round_: int) -> float:
+        return max((d for r, d in self._seen if r > round_ - self.memory_rounds), default=0.0)
+
+    def _wait(self, longest: float) -> float:
+        return min(self.cap_s, 1.5 * longest) if longest > 0 else 0.0
+
+
+class ReorderWindow(_LearnedWait):
     """How long after a sender's END its reordered data still arrives, learned.
 
     Why: an END marker can overtake data sent before it (a reordering network, a
@@ -50,23 +72,18 @@ class ReorderWindow:
     """
 
     def __init__(self, cap_s: float = 0.05, memory_rounds: int = 32) -> None:
-        if cap_s < 0 or memory_rounds < 1:
-            raise ValueError(f"cap_s must be >= 0 and memory_rounds >= 1: {cap_s}, {memory_rounds}")
-        self.cap_s = cap_s
-        self.memory_rounds = memory_rounds
-        self._lags: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
+        super().__init__(cap_s, memory_rounds)
 
     def observe(self, lag_s: float, round_: int) -> None:
         """A packet of round ``round_`` arrived ``lag_s`` after its sender's END."""
-        self._lags.append((round_, max(0.0, lag_s)))
+        self._note(lag_s, round_)
 
     def allowance(self, round_: int) -> float:
         """Seconds to hold a sender whose END (of round ``round_``) left data missing."""
-        recent = [lag for r, lag in self._lags if r > round_ - self.memory_rounds]
-        return min(self.cap_s, 1.5 * max(recent)) if recent else 0.0
+        return self._wait(self._longest(round_))
 
 
-class StallWindow:
+class StallWindow(_LearnedWait):
     """How long a sender that went quiet mid-stream may still resume, learned.
 
     Why: a phase cuts a sender whose packets stopped once nobody has delivered for
@@ -89,24 +106,18 @@ class StallWindow:
     """
 
     def __init__(self, cap_s: float = 0.5, memory_rounds: int = 32) -> None:
-        if cap_s < 0 or memory_rounds < 1:
-            raise ValueError(f"cap_s must be >= 0 and memory_rounds >= 1: {cap_s}, {memory_rounds}")
-        self.cap_s = cap_s
-        self.memory_rounds = memory_rounds
-        self._stalls: collections.deque[tuple[int, float]] = collections.deque(maxlen=64)
-
+        super().__init__(cap_s, memory_rounds)
         # what each peer announced it observed itself (heartbeat beacon), seconds
         self._peers: dict[str, float] = {}
 
     def observe(self, stall_s: float, round_: int) -> None:
         """A sender cut in round ``round_`` resumed after ``stall_s`` of silence."""
-        self._stalls.append((round_, max(0.0, stall_s)))
+        self._note(stall_s, round_)
 
     def own(self, round_: int) -> float:
         """The longest stall we observed ourselves within the memory (0: none): what we
         announce, so our peers wait before their own first cut (never an echo of theirs)."""
-        recent = [s for r, s in self._stalls if r > round_ - self.memory_rounds]
-        return max(recent, default=0.0)
+        return self._longest(round_)
 
     def heard(self, peer: str, stall_s: float) -> None:
         """``peer`` announced the longest stall it observed recently (0: none)."""
@@ -120,8 +131,7 @@ class StallWindow:
 
     def allowance(self, round_: int) -> float:
         """Seconds of silence before a phase of round ``round_`` cuts (0: the default)."""
-        longest = max(self.own(round_), max(self._peers.values(), default=0.0))
-        return min(self.cap_s, 1.5 * longest) if longest > 0 else 0.0
+        return self._wait(max(self.own(round_), max(self._peers.values(), default=0.0)))
 
 
 async def wait_phase(

@@ -408,19 +408,10 @@ class UdpTransport(Transport):
         if addr is None:
             stats.dropped_unreachable += 1
             return False
-        count = len(frames)
-        if count == 0:
-            stats.dropped_malformed += 1
+        framed = self._datagram(frames)
+        if framed is None:
             return False
-        if count > _MAX_FRAMES:
-            stats.dropped_oversize += 1
-            return False
-        lengths = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
-        nbytes = sum(lengths)
-        if nbytes > _MAX_PACKET_BYTES or 1 + 4 * count + nbytes > MAX_DATAGRAM_BYTES:
-            stats.dropped_oversize += 1
-            return False
-        data = b"".join([_HEADERS[count].pack(count, *lengths), *frames])
+        data, nbytes = framed
         if self._batch is not None:
             return self._batch.submit(addr, data, nbytes, urgent=urgent)
         if self._pacer is None:
@@ -439,19 +430,27 @@ class UdpTransport(Transport):
             return super().send_batch(dst, packets)
         sent = 0
         for frames in packets:
-            count = len(frames)
-            lengths = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
-            nbytes = sum(lengths)
-            if (
-                not 0 < count <= _MAX_FRAMES
-                or 1 + 4 * count + nbytes > MAX_DATAGRAM_BYTES
-                or (nbytes > _MAX_PACKET_BYTES)
-            ):
-                sent += self.send(dst, frames)  # counts the drop it is
-                continue
-            data = b"".join([_HEADERS[count].pack(count, *lengths), *frames])
-            sent += batch.submit(addr, data, nbytes)
+            framed = self._datagram(frames)
+            if framed is not None:
+                sent += batch.submit(addr, *framed)
         return sent
+
+    def _datagram(self, frames: Sequence[Buffer]) -> tuple[bytes, int] | None:
+        """``frames`` as one framed datagram and its frame bytes; None = a counted drop
+        (no frames: ``dropped_malformed``; too many or too large: ``dropped_oversize``)."""
+        count = len(frames)
+        if count == 0:
+            self.stats.dropped_malformed += 1
+            return None
+        if count > _MAX_FRAMES:
+            self.stats.dropped_oversize += 1
+            return None
+        lengths = [f.nbytes if isinstance(f, memoryview) else len(f) for f in frames]
+        nbytes = sum(lengths)
+        if nbytes > _MAX_PACKET_BYTES or 1 + 4 * count + nbytes > MAX_DATAGRAM_BYTES:
+            self.stats.dropped_oversize += 1
+            return None
+        return b"".join([_HEADERS[count].pack(count, *lengths), *frames]), nbytes
 
     def _emit(self, addr: SockAddr, data: bytes) -> bool:
         """``sendto`` now; counts the packet as sent or as the drop the kernel reports."""
