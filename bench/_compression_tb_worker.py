@@ -150,15 +150,17 @@ class _Host:
         raise ValueError(f"unknown method {method!r}")
 
     def _reducer(self, method: str, model: Any, job: dict[str, Any]) -> tuple[Any, Any]:
-        """(model to call, function that averages the gradients after backward)."""
+        """(model to call, function of the optimizer that averages the gradients after
+        backward and steps it)."""
         params = list(model.parameters())
         if method.startswith("gn_"):
             self._join(job["pace_mbps"])
             spec = self._compressor(method)
             stats: dict[str, float] = {"bytes_sent": 0.0, "rounds": 0.0}
 
-            def gn_reduce() -> None:
-                rep = self.peer.all_reduce([p.grad for p in params], compress=spec)
+            def gn_reduce(opt: Any) -> None:
+                # step=opt: with Adam, the catch-up step on the sparse sums
+                rep = self.peer.all_reduce([p.grad for p in params], compress=spec, step=opt)
                 stats["bytes_sent"] += rep.extra.get("bytes_sent", 0.0)
                 stats["rounds"] += 1
 
@@ -166,7 +168,7 @@ class _Host:
             return model, gn_reduce
         if method == "gloo":
 
-            def gloo_reduce() -> None:
+            def gloo_reduce(opt: Any) -> None:
                 flat = self.torch.cat([p.grad.reshape(-1) for p in params])
                 self.dist.all_reduce(flat, group=self.group)
                 flat.div_(self.world)
@@ -174,6 +176,7 @@ class _Host:
                 for p in params:
                     p.grad.copy_(flat[off : off + p.numel()].view_as(p.grad))
                     off += p.numel()
+                opt.step()
 
             return model, gloo_reduce
         if method.startswith("powersgd"):
@@ -192,7 +195,7 @@ class _Host:
                 random_seed=self.plan["seed"],
             )
             ddp.register_comm_hook(state, ps.powerSGD_hook)
-            return ddp, lambda: None  # DDP averages inside backward
+            return ddp, lambda opt: opt.step()  # DDP averages inside backward
         raise ValueError(f"unknown method {method!r}")
 
     # ------------------------------------------------------------------ one job
@@ -210,8 +213,7 @@ class _Host:
                 opt.zero_grad(set_to_none=False)
                 x, y = self.train.batch_for(self.teacher, seed, self.rank, step, self.plan["batch"])
                 torch.nn.functional.cross_entropy(net(x), y).backward()
-                reduce()
-                opt.step()
+                reduce(opt)  # averages the gradients and steps opt
             seg = time.perf_counter() - t0
             cpu = time.process_time() - c0
             train_s += seg

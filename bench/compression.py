@@ -99,8 +99,11 @@ class Result:
 def compressor(
     row: str, density: float, block: int = 16, eta: float = 1.0, values: str = "fp32"
 ) -> Any:
-    """The ``compress=`` value of a row name (``arctopk@0.05``: a static density);
+    """The ``compress=`` value of a row name (``arctopk@0.05``: a static density;
+    a ``-plain`` suffix: ``catch_up=False``, stock AdamW on the sparse sums);
     ``values``: the sparse rows' value codec."""
+    catch_up = not row.endswith("-plain")
+    row = row.removesuffix("-plain")
     if row == "dense":
         return None
     if row in ("bf16", "fp16"):
@@ -109,12 +112,13 @@ def compressor(
         return gossipnet.Int8()
     if row.startswith("arctopk"):
         d = float(row.split("@", 1)[1]) if "@" in row else density
-        return gossipnet.ArcTopK(density=d, block=block, eta=eta, values=values)
+        return gossipnet.ArcTopK(density=d, block=block, eta=eta, values=values, catch_up=catch_up)
     if row == "dct":
         return gossipnet.DCT(density=density, refresh_every=50, values=values)
     if row == "accordion":
-        low = gossipnet.ArcTopK(density=min(1.0, 10 * density), block=block, eta=eta, values=values)
-        high = gossipnet.ArcTopK(density=density, block=block, eta=eta, values=values)
+        kw = {"block": block, "eta": eta, "values": values, "catch_up": catch_up}
+        low = gossipnet.ArcTopK(density=min(1.0, 10 * density), **kw)
+        high = gossipnet.ArcTopK(density=density, **kw)
         return gossipnet.Accordion(low=low, high=high, interval=10)
     raise SystemExit(f"unknown row {row!r}")
 
@@ -202,9 +206,9 @@ def run_setting(s: Setting) -> Result:
                 g["lr"] = lr_at(warm, step)
             opt.zero_grad(set_to_none=False)
             batch_loss().backward()
-            rep = net.all_reduce([p.grad for p in params], compress=spec)  # type: ignore[misc]
+            # step=opt: Adam's catch-up step on the sparse sums (README, compression)
+            rep = net.all_reduce([p.grad for p in params], compress=spec, step=opt)  # type: ignore[misc]
             ratios.append(rep.extra.get("compression_ratio", 1.0))
-            opt.step()
         sent = net.stats()["transport"]["sent_bytes"] - sent0
         return quality(), sent, {"compression_ratio": statistics.median(ratios)}
 

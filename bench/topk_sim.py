@@ -2,18 +2,25 @@
 
 Why: `bench/compression.py` measures ARC-Top-K through the library, where packet
 loss, the owners' one-round-old index sets and the codec all play a part.  This
-takes them all away: 4 workers in one process, the same tasks, seeds and
-learning-rate schedule as `bench/compression.py`, each step the exact global
-top blocks (16 elements, chosen by the summed block norms of every worker's
+takes them away one at a time: 4 workers in one process, the same tasks, seeds
+and learning-rate schedule as `bench/compression.py`, each step the global top
+blocks (16 elements, chosen by the summed block norms of every worker's
 error-fed gradient), error feedback per worker, the average of what was sent
-applied by one optimizer that every worker shares.  If this already misses the
-dense run's quality, no network protocol can close the gap: the method (with
-this optimizer, at this horizon) does.
+applied by one optimizer that every worker shares.  ``--lag`` chooses each
+step's blocks one step early, from the residuals and gradients of the step
+before, as the library's owners do (they announce the next set with their
+broadcast).
 
-Rows: ``<optimizer>:<density>`` with optimizer ``adam`` (AdamW, the demo's lr) or
-``sgd`` (momentum 0.9, ``--sgd-lr``) and density 1 for dense, e.g.
+Rows: ``<optimizer>:<density>`` with density 1 for dense and optimizer
 
-    .venv/bin/python bench/topk_sim.py --task demo --steps 300 adam:1 adam:0.1 adam:0.3
+- ``adam``: stock AdamW on the sparse sums (``ArcTopK(catch_up=False)``);
+- ``catchup``: Adam's catch-up step, each value stepped as the rounds it
+  stands for (``gossipnet.training._catch_up``, the library's own function);
+- ``select``: catch-up, and the blocks chosen by the step they would take (block
+  energy times the block's mean ``1 / v``; ``ArcTopK``'s default with Adam);
+- ``sgd``: SGD with momentum 0.9 (``--sgd-lr``) on the sparse sums.
+
+    .venv/bin/python bench/topk_sim.py --task demo --lag adam:1 adam:0.1 catchup:0.1 select:0.1
     .venv/bin/python bench/topk_sim.py --task regress adam:1 adam:0.01 sgd:1 sgd:0.01
 
 The last stdout line is one JSON object: quality (demo perplexity, regression MSE;
@@ -33,23 +40,76 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, emit_json
 from compression import TASKS
 
+from gossipnet.collectives.compress.staleness import MAX_AGE, block_mean
 from gossipnet.demo.harness import DemoConfig, lr_at
+from gossipnet.training._catch_up import catch_up_step, selection_weights
 
 WORKERS = 4
+BLOCK = 16
 
 
-def _top_blocks(srcs: list[torch.Tensor], density: float, block: int) -> torch.Tensor:
-    """Element indices of the ``density`` share of blocks with the largest summed norm."""
+def _top_blocks(
+    srcs: list[torch.Tensor], density: float, weight: torch.Tensor | None
+) -> torch.Tensor:
+    """Element indices of the ``density`` share of blocks of largest summed energy
+    (times ``weight`` per block, if given)."""
     n = srcs[0].numel()
-    nb = -(-n // block)
-    pad = nb * block - n
-    energy = sum(torch.nn.functional.pad(s.square(), (0, pad)).view(nb, block).sum(1) for s in srcs)
-    top = torch.topk(energy, max(1, round(density * n / block))).indices  # type: ignore[arg-type]
-    idx = (top[:, None] * block + torch.arange(block)).flatten()
+    nb = -(-n // BLOCK)
+    pad = nb * BLOCK - n
+    energy = sum(torch.nn.functional.pad(s.square(), (0, pad)).view(nb, BLOCK).sum(1) for s in srcs)
+    if weight is not None:
+        energy = energy * weight
+    top = torch.topk(energy, max(1, round(density * n / BLOCK))).indices  # type: ignore[arg-type]
+    idx = (top[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
     return idx[idx < n]
 
 
-def run(task: str, opt_name: str, density: float, steps: int, seed: int, sgd_lr: float) -> float:
+class _Shared:
+    """The one model every worker holds, and its optimizer (stock or catch-up)."""
+
+    def __init__(
+        self, params: list[torch.Tensor], opt: torch.optim.Optimizer, catch_up: bool
+    ) -> None:
+        self.params, self.opt, self.catch_up = params, opt, catch_up
+        self.n = sum(p.numel() for p in params)
+        self.last = torch.zeros(self.n, dtype=torch.int64)
+
+    def step(self, g: torch.Tensor, idx: torch.Tensor, step: int) -> None:
+        """Apply the averaged sparse sum ``g`` (nonzero at ``idx``) as step ``step``."""
+        if not self.catch_up:
+            off = 0
+            for p in self.params:
+                p.grad = g[off : off + p.numel()].view_as(p).clone()
+                off += p.numel()
+            self.opt.step()
+            return
+        age = torch.zeros(self.n)
+        age[idx] = (step + 1 - self.last[idx]).clamp(1, MAX_AGE).to(torch.float32)
+        self.last[idx] = step + 1
+        off, group = 0, self.opt.param_groups[0]
+        for p in self.params:
+            k = p.numel()
+            catch_up_step(
+                p,
+                g[off : off + k].view_as(p),
+                age[off : off + k].view_as(p),
+                self.opt.state[p],
+                group,
+            )
+            off += k
+
+    def block_weights(self) -> torch.Tensor | None:
+        """Per block, the mean ``1 / v`` (None before the first step)."""
+        group = self.opt.param_groups[0]
+        parts = [selection_weights(self.opt.state[p], group) for p in self.params]
+        if any(w is None for w in parts):
+            return None
+        return block_mean(torch.cat([w.flatten() for w in parts if w is not None]), BLOCK)
+
+
+def run(
+    task: str, name: str, density: float, steps: int, seed: int, sgd_lr: float, lag: bool
+) -> float:
     """Train one row; the final quality."""
     make = TASKS[task](seed, steps)
     workers = [make(r, seed) for r in range(WORKERS)]
@@ -57,15 +117,16 @@ def run(task: str, opt_name: str, density: float, steps: int, seed: int, sgd_lr:
     params = list(model.parameters())
     for other, _, _ in workers[1:]:
         other.load_state_dict(model.state_dict())
-    lr = (3e-3 if task == "demo" else 1e-3) if opt_name == "adam" else sgd_lr
+    lr = (3e-3 if task == "demo" else 1e-3) if name != "sgd" else sgd_lr
     warm = DemoConfig(steps=steps, lr=lr, warmup_steps=10)
     opt: Any = (
-        torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-        if opt_name == "adam"
-        else torch.optim.SGD(params, lr=lr, momentum=0.9)
+        torch.optim.SGD(params, lr=lr, momentum=0.9)
+        if name == "sgd"
+        else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     )
-    n = sum(p.numel() for p in params)
-    errors = [torch.zeros(n) for _ in range(WORKERS)]
+    shared = _Shared(params, opt, catch_up=name in ("catchup", "select"))
+    errors = [torch.zeros(shared.n) for _ in range(WORKERS)]
+    ahead: torch.Tensor | None = None  # --lag: the set chosen one step early
     for step in range(steps):
         grads = []
         for w, (m, batch_loss, _) in enumerate(workers):
@@ -74,24 +135,26 @@ def run(task: str, opt_name: str, density: float, steps: int, seed: int, sgd_lr:
             m.zero_grad()
             batch_loss().backward()
             grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))  # type: ignore[union-attr]
+        weight = shared.block_weights() if name == "select" else None
         if density >= 1:
+            idx = torch.arange(shared.n)
             g = torch.stack(grads).mean(0)
         else:
             srcs = [e + gr for e, gr in zip(errors, grads, strict=True)]
-            idx = _top_blocks(srcs, density, 16)
-            g = torch.zeros(n)
+            idx = ahead if lag and ahead is not None else _top_blocks(srcs, density, weight)
+            g = torch.zeros(shared.n)
             for w, src in enumerate(srcs):
-                sent = torch.zeros(n)
+                sent = torch.zeros(shared.n)
                 sent[idx] = src[idx]
                 errors[w] = src - sent
                 g += sent / WORKERS
-        off = 0
-        for p in params:
-            p.grad = g[off : off + p.numel()].view_as(p).clone()
-            off += p.numel()
+            if lag:  # the library's owners: from the residuals and this step's gradients
+                ahead = _top_blocks(
+                    [e + gr for e, gr in zip(errors, grads, strict=True)], density, weight
+                )
         for group in opt.param_groups:
             group["lr"] = lr_at(warm, step)
-        opt.step()
+        shared.step(g, idx, step)
     for m, _, _ in workers[1:]:
         m.load_state_dict(model.state_dict())
     return float(sum(q() for _, _, q in workers) / WORKERS)
@@ -99,20 +162,25 @@ def run(task: str, opt_name: str, density: float, steps: int, seed: int, sgd_lr:
 
 def main() -> None:
     parser = bench_parser(__doc__)
-    parser.add_argument("rows", nargs="*", default=["adam:1", "adam:0.1"])
+    parser.add_argument("rows", nargs="*", default=["adam:1", "adam:0.1", "select:0.1"])
     parser.add_argument("--task", choices=sorted(TASKS), default="demo")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sgd-lr", type=float, default=0.01)
+    parser.add_argument("--lag", action="store_true", help="choose each set one step early")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = 60 if args.quick else args.steps
     out: dict[str, float] = {}
     for row in args.rows:
         name, density = row.split(":")
-        out[row] = run(args.task, name, float(density), steps, args.seed, args.sgd_lr)
-        print(f"{row:12s} quality {out[row]:.4f}", flush=True)
-    emit_json({"task": args.task, "steps": steps, "seed": args.seed, "quality": out})
+        if name not in ("adam", "catchup", "select", "sgd"):
+            raise SystemExit(f"unknown optimizer {name!r} in row {row!r}")
+        out[row] = run(args.task, name, float(density), steps, args.seed, args.sgd_lr, args.lag)
+        print(f"{row:14s} quality {out[row]:.4f}", flush=True)
+    emit_json(
+        {"task": args.task, "steps": steps, "seed": args.seed, "lag": args.lag, "quality": out}
+    )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,10 @@ same small regression model three times:
 - ``opt+arctopk``: ``net.optimizer(base, compress=gossipnet.ArcTopK(density=...))``:
   only the gradients are compressed, the parameter broadcast stays float32, so
   at most about 2x fewer bytes;
-- ``ddp+arctopk``: ``net.all_reduce(grads, compress=gossipnet.ArcTopK(...))`` then
-  the local ``AdamW.step()``: both directions compressed, the big saving.
+- ``ddp+arctopk``: ``net.all_reduce(grads, compress=gossipnet.ArcTopK(...), step=base)``:
+  both directions compressed, the big saving; ``step=`` steps the local AdamW
+  with the catch-up rule (each sparse value as the rounds it stands for),
+  which a plain ``base.step()`` after the call cannot.
 
 Between hosts the only change is ``gossipnet.join(peers=[...], listen=...)``
 instead of the in-memory helper.  Each run prints its bytes sent per step
@@ -65,8 +67,8 @@ def train(mode: str, compress: Any, args: argparse.Namespace) -> dict[str, float
             if mode == "opt":
                 rep = opt.step()
             else:  # DDP-style: average the gradients (compressed both ways), step locally
-                rep = net.all_reduce([p.grad for p in model.parameters()], compress=compress)
-                base.step()
+                grads = [p.grad for p in model.parameters()]
+                rep = net.all_reduce(grads, compress=compress, step=base)  # type: ignore[arg-type]
             ratios.append(rep.extra.get("compression_ratio", 1.0))
         sent = net.stats()["transport"]["sent_bytes"] - sent0
         with torch.no_grad():

@@ -45,6 +45,7 @@ from gossipnet.runtime.join import advertise_host
 from gossipnet.runtime.loop import LoopThread
 from gossipnet.runtime.node import Node
 from gossipnet.runtime.runtime import Runtime
+from gossipnet.training._catch_up import step_all_reduced
 from gossipnet.training.dropcompute import Normalise
 from gossipnet.training.microbatch import MicrobatchLoop, MicrobatchReport, MicrobatchState, TauSpec
 from gossipnet.training.optimizer import GossipOptimizer
@@ -176,6 +177,7 @@ class Peer:
         *,
         weight: float = 1.0,
         compress: Compression | None = None,
+        step: torch.optim.Optimizer | None = None,
     ) -> CollectiveReport:
         """Average ``tensors`` across the alive peers, in place, tolerating loss.
 
@@ -198,6 +200,12 @@ class Peer:
                 feedback (per compressor and layout, kept by this peer) carries
                 what was not sent into later calls.  The report's ``extra`` has
                 ``bytes_sent``, ``bytes_dense``, ``compression_ratio``.
+            step: the optimizer whose gradients ``tensors`` are, stepped here after
+                the round.  With :class:`gossipnet.ArcTopK` or :class:`gossipnet.DCT`
+                and Adam or AdamW it takes the catch-up step (each value as the
+                rounds it stands for; ``report.extra["catch_up"]`` is 1), which
+                plain ``opt.step()`` after the call cannot (see README, "Gradient
+                compression"); otherwise it is ``step.step()``.
 
         Returns:
             The round's :class:`CollectiveReport`; packet loss never raises.
@@ -218,9 +226,14 @@ class Peer:
             weight = 0.0
         t = self.config.collective_timeout_s if timeout is None else timeout
         session = self._compress_session(spec, staged.cpu) if spec is not None else None
+        if session is not None and step is not None:
+            session.track_applied()
         work = functools.partial(self._all_reduce, staged.cpu, weight, t, session)
         report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)
+        if step is not None:
+            caught = step_all_reduced(step, tensors, staged.flat, session)
+            report.extra["catch_up"] = float(caught)
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if staged.nonfinite:
             report.extra["nonfinite_local"] = 1.0

@@ -222,6 +222,16 @@ class FlatBuffer:
         ]
         _copy_all([t for t, _ in pairs], [v for _, v in pairs])
 
+    def split(self, buckets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per tensor, its view of ``buckets`` (any dtype, the layout's lengths), shaped
+        like the tensor: per-element side data (ages, weights) mapped back to tensors."""
+        if [b.numel() for b in buckets] != [b.numel() for b in self.buckets]:
+            raise ValueError("split needs buckets of this layout's lengths")
+        return [
+            buckets[s.bucket].narrow(0, s.offset, s.shape.numel()).view(s.shape)
+            for s in self._slots
+        ]
+
     def backs(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether every one of ``tensors`` already is its slot's view of the buckets."""
         return len(tensors) == len(self._views) and all(

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from gossipnet.collectives.compress import CompressSession
 from gossipnet.collectives.lossy.engine import OwnedShard
+from gossipnet.training._catch_up import catch_up_step, selection_weights, supports
 
 __all__ = ("ShardKey", "ShardedOptimizer")
 
@@ -39,9 +41,22 @@ class ShardedOptimizer:
         self._opt: torch.optim.Optimizer | None = None
         self._views: list[torch.Tensor] = []
         self._pending: dict[str, Any] | None = None  # loaded, applied at the next rebuild
+        self.caught_up = False  # the last step was Adam's catch-up step (._catch_up)
 
-    def step(self, shards: list[OwnedShard], params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Step the base optimizer on the owned shards; return their new values."""
+    def step(
+        self,
+        shards: list[OwnedShard],
+        params: list[torch.Tensor],
+        codec: CompressSession | None = None,
+    ) -> list[torch.Tensor]:
+        """Step the base optimizer on the owned shards; return their new values.
+
+        ``codec``: the round's compressor; where it knows the age of each value
+        (ARC-Top-K, DCT with ``catch_up``) and the base is Adam or AdamW, the
+        shards take the catch-up step (:mod:`._catch_up`) and hand the codec
+        the weights for its next index sets.
+        """
+        self.caught_up = False
         key: ShardKey = tuple((s.bucket, s.start, s.average.numel()) for s in shards)
         if key != self._key or self._opt is None:
             self._rebuild(key, params)
@@ -52,16 +67,36 @@ class ShardedOptimizer:
                 if name != "params":
                     group[name] = value
         views = self._views
-        for view, shard in zip(views, (s for s in shards if s.average.numel()), strict=True):
-            view.grad = shard.average.to(view.dtype)
-        self._opt.step()
-        for view in views:
-            view.grad = None
+        live = [s for s in shards if s.average.numel()]
+        ages = _ages(live, codec) if codec is not None and supports(self.base) else None
+        self.caught_up = ages is not None
+        if ages is not None and codec is not None:
+            self._catch_up(live, ages, codec)
+        else:
+            for view, shard in zip(views, live, strict=True):
+                view.grad = shard.average.to(view.dtype)
+            self._opt.step()
+            for view in views:
+                view.grad = None
         out = []
-        live = iter(views)
+        it = iter(views)
         for s in shards:
-            out.append(next(live).detach() if s.average.numel() else s.average)
+            out.append(next(it).detach() if s.average.numel() else s.average)
         return out
+
+    def _catch_up(
+        self, live: list[OwnedShard], ages: list[torch.Tensor], codec: CompressSession
+    ) -> None:
+        """Adam's catch-up step on every live shard; the next sets' weights to ``codec``."""
+        assert self._opt is not None
+        for view, shard, age, group in zip(
+            self._views, live, ages, self._opt.param_groups, strict=True
+        ):
+            state = self._opt.state[view]
+            catch_up_step(view, shard.average, age, state, group)
+            weights = selection_weights(state, group)
+            if weights is not None:
+                codec.selection_weights(shard.bucket, shard.start, weights)
 
     def state(self, params: list[torch.Tensor]) -> dict[str, Any]:
         """The sharded state as full-length per-bucket tensors (a loaded state not yet
@@ -130,6 +165,17 @@ class ShardedOptimizer:
                     # clone: optimizers bump scalar state (Adam's step) in place
                     out["scalars"][k] = t.clone() if torch.is_tensor(t) else t
         return out
+
+
+def _ages(live: list[OwnedShard], codec: CompressSession) -> list[torch.Tensor] | None:
+    """The age of every value of every live shard, or None unless all are known."""
+    out = []
+    for s in live:
+        age = codec.ages(s.bucket, s.start, s.average.numel())
+        if age is None:
+            return None
+        out.append(age)
+    return out
 
 
 def _live(key: ShardKey) -> list[tuple[int, int, int]]:

@@ -280,7 +280,7 @@ class AllReduceStrategy:
                 return resync
 
         def on_reduced(shards: list[OwnedShard]) -> list[torch.Tensor]:
-            return self.shards.step(shards, params)
+            return self.shards.step(shards, params, self.compress)
 
         report = await engine.run(
             grads,
@@ -297,6 +297,8 @@ class AllReduceStrategy:
             ),
         )
         self._last_align = engine.alignment()
+        if self.compress is not None:
+            report.extra["catch_up"] = float(self.shards.caught_up)
         return report
 
     # ------------------------------------------------------------------ state

@@ -119,6 +119,73 @@ def test_all_reduce_with_local_step_lossless_is_bit_identical() -> None:
         gossipnet.AllReduceOptions(compress="topk")
 
 
+@pytest.mark.timeout(120)  # ~5 s on 2 idle cores; bounds a hang
+def test_all_reduce_steps_adam_with_catch_up_bit_identical() -> None:
+    """``all_reduce(..., step=AdamW)`` under ARC-Top-K: the catch-up step runs (each
+    value stepped as the rounds it stands for), every replica holds the same bits
+    (the ages come from the broadcast sets, which every peer received), and the
+    loss falls."""
+    init = _task(0)[0].state_dict()
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[torch.Tensor, float, float, list[float]]:
+        model, _ = _task(0)
+        model.load_state_dict(init)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        w = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
+        spec = gossipnet.ArcTopK(density=0.1, values="int8")
+        losses, caught = [], []
+        for step in range(STEPS):
+            x = torch.randn(64, 16, generator=torch.Generator().manual_seed(step * 10 + rank))
+            loss = torch.nn.functional.mse_loss(model(x), x @ w)
+            losses.append(float(loss.detach()))
+            opt.zero_grad()
+            loss.backward()
+            grads = [p.grad for p in model.parameters()]
+            rep = peer.all_reduce(grads, compress=spec, step=opt)  # type: ignore[arg-type]
+            assert rep.chunks_stale == 0
+            caught.append(rep.extra["catch_up"])
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        return flat, sum(losses[:5]), sum(losses[-5:]), caught
+
+    out = run_peers(4, body)
+    for flat, first, last, caught in out:
+        assert torch.equal(flat, out[0][0])
+        assert last < 0.5 * first
+        assert caught == [1.0] * STEPS
+
+
+@pytest.mark.timeout(120)  # ~5 s on 2 idle cores; bounds a hang
+def test_optimizer_adamw_takes_the_catch_up_step_under_loss() -> None:
+    """``net.optimizer(AdamW, compress=ArcTopK)`` at seeded 10% loss: the owners step
+    their shards with the catch-up rule (``extra["catch_up"]``) and the loss falls;
+    with ``catch_up=False`` the stock step runs."""
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[list[float], list[float], list[float]]:
+        model, loss_fn = _task(rank)
+        losses, caught, plain = [], [], []
+        for flag, sink in ((True, caught), (False, plain)):
+            base = torch.optim.AdamW(model.parameters(), lr=0.01)
+            spec = gossipnet.ArcTopK(density=0.05, catch_up=flag)
+            opt = peer.optimizer(base, compress=spec)
+            for _ in range(STEPS // 2):
+                loss = loss_fn()
+                opt.zero_grad()
+                loss.backward()
+                rep = opt.step()
+                losses.append(float(loss.detach()))
+                if "catch_up" in rep.extra:
+                    sink.append(rep.extra["catch_up"])
+        return losses, caught, plain
+
+    out = run_peers(3, body, faults=gossipnet.FaultPlan(loss=0.1, seed=7), collective_timeout_s=2.0)
+    for losses, caught, plain in out:
+        assert sum(losses[STEPS // 2 - 5 : STEPS // 2]) < 0.5 * sum(losses[:5]), losses
+        assert caught
+        assert sum(caught) >= len(caught) - 2
+        assert plain
+        assert sum(plain) == 0
+
+
 def test_compress_arguments_are_checked() -> None:
     def body(rank: int, peer: gossipnet.Peer) -> None:
         with pytest.raises(gossipnet.ConfigError, match=r"gossipnet\.ArcTopK"):

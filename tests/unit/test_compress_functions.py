@@ -356,11 +356,18 @@ def test_forged_broadcasts_are_counted_drops() -> None:
         head.pack(5, NONE, 4, 1, 0, 1, 1, 0)
         + bytes(2)
         + struct.pack("<I", 0)
+        + bytes([1])  # the block's age
         + struct.pack("<f", float("nan"))
     )
-    for payload in (bad_set, wrong_parts, nan_vals):
+    zero_age = head.pack(5, NONE, 4, 1, 0, 0, 0, 0) + bytes(2) + struct.pack("<I", 0) + bytes(1)
+    for payload in (bad_set, wrong_parts, nan_vals, zero_age):
         gather.on_ag(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_AG, payload))  # type: ignore[arg-type]
-    assert ctx.dropped == {"compressed_index": 1, "compressed_count": 1, "non_finite": 1}
+    assert ctx.dropped == {
+        "compressed_index": 1,
+        "compressed_count": 1,
+        "non_finite": 1,
+        "compressed_age": 1,
+    }
     assert not rnd.got_np[0][c]  # nothing written
 
 
@@ -372,7 +379,7 @@ def test_forged_coded_broadcasts_are_counted_drops() -> None:
     ctx = _Ctx()
     c = rnd.maps[0].chunks_of("p1").start
     head = struct.Struct("<QQHIIIBB")
-    cur = bytes(2) + struct.pack("<I", 0)  # bitmaps, set = block 0 (16 values)
+    cur = bytes(2) + struct.pack("<I", 0) + bytes([1])  # bitmaps, set = block 0, its age
     fp32_vals = head.pack(5, NONE, 4, 1, 0, 16, 0, 0) + cur + bytes(64)
     inf_scale = (
         head.pack(5, NONE, 4, 1, 0, 16, 0, 2) + cur + struct.pack("<f", float("inf")) + bytes(16)

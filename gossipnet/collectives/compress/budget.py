@@ -61,7 +61,7 @@ def proposals(
     """
     tau = sess.tau2.get(b)
     if tau is None:
-        own = topk.sketch(sess.u[b], sess.block)
+        own = sess.sketch(b, 0, sess.u[b])
         k = max(1, min(own.numel(), 2 * round(sess.density(b) * own.numel())))
         tau = sess.tau2[b] = float(torch.topk(own, k).values[-1])
     ids = torch.nonzero((res >= tau) & (res > 0)).flatten()
@@ -86,7 +86,7 @@ def next_size(sess: SessionState, rnd: Any, b: int, off: int, n: int) -> int:
     blk = sess.block
     hot = sess.hot.get(b)
     if hot is None:
-        own = topk.sketch(sess.e[b] + sess.m[b], blk).square_()
+        own = sess.sketch(b, 0, sess.e[b] + sess.m[b]).square_()
         k = max(1, min(own.numel(), round(sess.density(b) * own.numel())))
         tau = torch.topk(own, k).values[-1]
         hot = sess.hot[b] = torch.cumsum(((own >= tau) & (own > 0)).to(torch.int64), 0)
@@ -95,5 +95,5 @@ def next_size(sess: SessionState, rnd: Any, b: int, off: int, n: int) -> int:
     m = topk.block_count(n, blk)
     nparts = len(rnd.participants)
     room = sess.base_chunk - 64 - 2 * m - 2 * math.ceil(nparts / 8) - coded_bytes(sess.values, 0)
-    cap = room // (VALUE_BYTES[sess.values] * blk + 8)  # values and two set ids per block
+    cap = room // (VALUE_BYTES[sess.values] * blk + 9)  # values, two set ids, an age per block
     return max(1, min(share, cap, m))

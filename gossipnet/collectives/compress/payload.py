@@ -126,6 +126,13 @@ class Reader:
             raise Bad("non_finite")
         return v
 
+    def ages(self, count: int) -> torch.Tensor:
+        """``count`` u8 ages (rounds a block's values stand for) as float32, each >= 1."""
+        a = self.tensor(torch.uint8, count)
+        if count and int(a.min()) < 1:
+            raise Bad("compressed_age")
+        return a.to(torch.float32)
+
     def indices(self, count: int, bound: int) -> torch.Tensor:
         """``count`` u32 indices, strictly increasing and below ``bound`` (int64)."""
         raw = self.tensor(torch.int32, count).to(torch.int64) & 0xFFFF_FFFF

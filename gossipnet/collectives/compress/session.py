@@ -30,6 +30,7 @@ from gossipnet.collectives.compress.quant import (
     quantize_int8,
     to_half,
 )
+from gossipnet.collectives.compress.staleness import Staleness
 from gossipnet.collectives.compress.state import Ledger, SessionState
 from gossipnet.collectives.lossy.compressed import Decoded
 
@@ -89,6 +90,12 @@ class CompressSession(SessionState):
             self.pending.clear()
             if self.ledger is not None:
                 self.ledger = Ledger()
+        if self.catch_up and (self.stale is None or self.stale.numels() != numels):
+            self.stale = Staleness(numels)
+        if self.stale is not None:
+            if self.want_applied:
+                self.stale.track_applied()
+            self.stale.begin()
         self.src = list(rnd.src)
         self.weight = float(rnd.weight)
         ledger = self.ledger
@@ -154,6 +161,36 @@ class CompressSession(SessionState):
         self.totals.update({k: v for k, v in self.counters.items() if not k.startswith("bytes")})
         self.src = []
         return extra
+
+    def ages(self, b: int, start: int, length: int) -> torch.Tensor | None:
+        """Rounds each value of our shard ``[start, start + length)`` of bucket ``b``
+        stands for this round (0: not sent this round); None: not tracked
+        (``catch_up`` off, a dense family, or no set recorded for this shard)."""
+        if self.stale is None:
+            return None
+        return self.stale.shard_ages(b, start, length)
+
+    def track_applied(self) -> None:
+        """Keep the ages of every value applied (:meth:`applied_ages`), from the next
+        round on; nothing when ages are not tracked."""
+        self.want_applied = True
+
+    def applied_ages(self) -> list[torch.Tensor] | None:
+        """Per bucket, the rounds each value applied in the last round stands for
+        (0: not sent); None when not tracked (see :meth:`track_applied`)."""
+        if self.stale is None or not self.stale.applied:
+            return None
+        return self.stale.applied
+
+    def selection_weights(
+        self, b: int, start: int, weights: torch.Tensor, everywhere: bool = False
+    ) -> None:
+        """Per-element weights of ``b`` from ``start`` for choosing the next index sets
+        (ARC-Top-K: the optimizer's ``1 / v``); ``everywhere``: every peer has the
+        same weights for the whole bucket (see :meth:`.staleness.Staleness.set_weights`).
+        Ignored when not tracked."""
+        if self.stale is not None and self.family == "topk":
+            self.stale.set_weights(b, start, weights, everywhere)
 
     def sent(self, frames: list[Any], copies: int, dense_payload: int) -> None:
         """Count a data packet's bytes, and what float32 would have sent instead:

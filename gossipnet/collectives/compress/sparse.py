@@ -23,6 +23,12 @@ into ``e`` (sent again later).  Never counted twice, never dropped unseen: a
 contribution whose two answers were both lost (about p^2) is assumed counted
 and counted in ``ef_unresolved``.
 
+Ages (``ArcTopK.catch_up``, :mod:`.staleness`): the owner's broadcast also carries,
+per block of the set, the rounds its values stand for (u8, 1..255; 0 is a counted
+drop, ``compressed_age``), so every peer that steps the whole model takes the
+owner's ages.  The owner's choice of the next set weights the block energies by
+the optimizer's ``1 / v`` where it has it.
+
 Value codecs (``values=``, :func:`.quant.code_values`): a contribution's values
 travel rounded (bf16, or int8 with one scale per packet); the sender keeps the
 rounding error in ``e`` (``e <- u - decoded`` at the set) and its ``pending``
@@ -85,6 +91,9 @@ def compress_own(sess: CompressSession, rnd: Any) -> None:
             else:
                 idx = dct.select(u_c, sess.theta[b], budget.dct_cap(sess, n))
             acc = red.acc[off - start : off - start + n]
+            if sess.stale is not None and sess.family == "topk":
+                span = len(rnd.maps[b].owned_range(rnd.me))
+                sess.stale.own(b, start, span, idx + off, sess.rounds)
             acc.zero_()
             if w > 0:
                 vals = u_c[idx]
@@ -94,7 +103,7 @@ def compress_own(sess: CompressSession, rnd: Any) -> None:
                     ledger.confirmed[b].index_add_(0, idx + off, vals)
                     _counted(sess, rnd.me, b).index_add_(0, idx + off, vals)
             if sess.family == "topk":
-                energy = topk.sketch(e_c + sess.m[b][off : off + n], sess.block).square_()
+                energy = sess.sketch(b, off, e_c + sess.m[b][off : off + n]).square_()
                 sess.sk[(b, c)] = energy * w
                 sess.sk_w[(b, c)] = w
 
@@ -135,7 +144,7 @@ def encode_rs(sess: CompressSession, rnd: Any, owner: str, b: int, c: int) -> tu
         tag = NONE
     parts = _send(sess, rnd, owner, b, c, idx, off)
     ids, props = budget.proposals(
-        sess, b, topk.sketch(e_c + sess.m[b][off : off + n], blk), idx.numel()
+        sess, b, sess.sketch(b, off, e_c + sess.m[b][off : off + n]), idx.numel()
     )
     head = _TOPK_RS.pack(tag, ids.numel(), idx.numel(), CODEC_IDS[sess.values])
     return Z.TOPK_RS, join(head, ids.to(torch.int32), props.to(torch.bfloat16), *parts)
@@ -147,6 +156,8 @@ def _send(
     """The coded values of ``u`` at ``idx`` (chunk-relative) for ``owner``: they leave
     ``e`` as ``pending`` (what the owner will decode); ``e`` keeps the rounding error."""
     at = idx + off
+    if sess.stale is not None and sess.family == "topk":
+        sess.stale.mark(b, at, sess.rounds)
     vals = sess.u[b][at]
     parts, decoded = code_values(vals, sess.values)
     _pending(sess, rnd, owner, b, c, at, decoded)
@@ -283,17 +294,37 @@ def encode_ag(
     _, cur = _set_in_force(sess, rnd, b, c, n)
     m = topk.block_count(n, sess.block)
     energy = sess.sk.get(key, torch.zeros(m))
+    weights = None if sess.stale is None else sess.stale.owner_weights(b, off, n, sess.block)
+    if weights is not None:
+        energy = energy * weights  # the step each block would take (.staleness)
     nxt = topk.choose_blocks(energy, budget.next_size(sess, rnd, b, off, n))
     sess.force[key] = (rnd.r, nxt)
     idx = topk.block_indices(cur, sess.block, n)
+    ages = _block_ages(sess, b, off, cur)
+    if sess.stale is not None and not param:
+        sess.stale.apply(b, off, n, idx + off, topk.per_element(ages, cur, sess.block, n))
     coded, vals = _broadcast_values(sess, values, idx, param)
     head = _TOPK_AG.pack(
         rnd.r, prev_round, len(parts), cur.numel(), nxt.numel(), vals.numel(), int(param), codec
     )
     payload = join(
-        head, bitmap(bits), bitmap(prev_bits), cur.to(torch.int32), nxt.to(torch.int32), *coded
+        head,
+        bitmap(bits),
+        bitmap(prev_bits),
+        cur.to(torch.int32),
+        nxt.to(torch.int32),
+        ages.to(torch.uint8),
+        *coded,
     )
     return Z.TOPK_AG, payload, _spread(values, idx, vals, param)
+
+
+def _block_ages(sess: CompressSession, b: int, off: int, cur: torch.Tensor) -> torch.Tensor:
+    """The rounds each block of our set ``cur`` stands for (1..MAX_AGE), as our
+    :meth:`.staleness.Staleness.own` counted them; 1 where not tracked."""
+    if sess.stale is None or not cur.numel():
+        return torch.ones(cur.numel(), dtype=torch.float32)
+    return sess.stale.owned_ages(b, cur.to(torch.int64) * sess.block + off)
 
 
 def _broadcast_values(
@@ -342,6 +373,7 @@ def decode_ag(
         m = topk.block_count(n, sess.block)
         cur = r.indices(ncur, m)
         nxt = r.indices(nnext, m)
+        ages = r.ages(ncur)
         if tag != rnd.r:
             raise Bad("compressed_tag")
         idx = topk.block_indices(cur, sess.block, n) if vkind == 0 else _EMPTY
@@ -355,6 +387,9 @@ def decode_ag(
         _resolve(sess, b, c, prev_round, src, in_bitmap(bmp, me))
     if nxt is not None:
         sess.ann[(b, c)] = (src, rnd.r, nxt)
+    if sess.stale is not None and nxt is not None and not vkind:
+        off = rnd.plans[b].chunk(c)[0]
+        sess.stale.apply(b, off, n, idx + off, topk.per_element(ages, cur, sess.block, n))
     return vals.clone() if vkind else _dense(n, idx, vals)
 
 

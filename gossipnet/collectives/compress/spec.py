@@ -81,12 +81,20 @@ class ArcTopK:
             contributions' rounding error stays in the error feedback; the owner's
             broadcast of the averages is rounded once, not error-fed (int8: at most
             1/254 of the packet's largest magnitude); parameters go float32.
+        catch_up: with an Adam or AdamW base optimizer (``net.optimizer``), step
+            each element as the rounds its value stands for (error feedback sends
+            the sum of the rounds since it last left) and choose the next set by
+            the step each block would take (block energy over Adam's ``v``).
+            Without it AdamW moves rarely sent elements about ``sqrt(k)`` times
+            too little (``gossipnet.collectives.compress.staleness``).  No effect
+            on other optimizers or on ``all_reduce``.
     """
 
     density: float = 0.01
     block: int = 16
     eta: float = 1.0
     values: str = "fp32"
+    catch_up: bool = True
 
     def __post_init__(self) -> None:
         _density("ArcTopK.density", self.density)

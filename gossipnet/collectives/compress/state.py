@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from gossipnet.collectives.compress import topk
 from gossipnet.collectives.compress.accordion import AccordionState
 from gossipnet.collectives.compress.spec import (
     DCT,
@@ -23,6 +24,7 @@ from gossipnet.collectives.compress.spec import (
     Sparse,
     density_of,
 )
+from gossipnet.collectives.compress.staleness import Staleness
 
 __all__ = ("Ledger", "SessionState")
 
@@ -75,6 +77,10 @@ class SessionState:
         self.refresh_every = sparse_spec.refresh_every if isinstance(sparse_spec, DCT) else 1
         # how the sparse families' values travel (.quant.code_values)
         self.values = sparse_spec.values if sparse_spec is not None else "fp32"
+        # ages of the values and the owner's selection weights (.staleness), when on
+        self.catch_up = isinstance(sparse_spec, ArcTopK) and sparse_spec.catch_up
+        self.stale: Staleness | None = None
+        self.want_applied = False  # whole-bucket ages too (all_reduce(step=...))
         self.e: list[torch.Tensor] = []
         self.m: list[torch.Tensor] = []
         self.u: list[torch.Tensor] = []
@@ -102,6 +108,13 @@ class SessionState:
         self.counters: collections.Counter[str] = collections.Counter()
         self.totals: collections.Counter[str] = collections.Counter()
         self.ledger: Ledger | None = None
+
+    def sketch(self, b: int, off: int, x: torch.Tensor) -> torch.Tensor:
+        """Block norms of ``x`` (bucket ``b`` from ``off``), weighted by the step each
+        block would take where the optimizer gave us weights for it (``.staleness``)."""
+        s = topk.sketch(x, self.block)
+        w = None if self.stale is None else self.stale.sender_weights(b, off, x.numel(), self.block)
+        return s if w is None else s.mul_(w.sqrt_())
 
     # ------------------------------------------------------------------ sizing
     def density(self, b: int) -> float:

@@ -22,6 +22,7 @@ __all__ = (
     "choose_blocks",
     "compress_at",
     "nblocks_for",
+    "per_element",
     "sketch",
 )
 
@@ -75,6 +76,16 @@ def block_indices(blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
     idx = blocks.to(torch.int64)[:, None] * block + torch.arange(block, device=blocks.device)
     idx = idx.flatten()
     return idx[idx < n]
+
+
+def per_element(per_block: torch.Tensor, blocks: torch.Tensor, block: int, n: int) -> torch.Tensor:
+    """``per_block`` (one value per block of ``blocks``) spread over the elements
+    :func:`block_indices` gives, in the same order."""
+    if not blocks.numel():
+        return per_block[:0]
+    spread = per_block[:, None].expand(-1, block).flatten()
+    idx = (blocks.to(torch.int64)[:, None] * block + torch.arange(block)).flatten()
+    return spread[idx < n]
 
 
 def compress_at(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
