@@ -16,8 +16,11 @@ summed over peers, divided by the steps.
 Rows: ``dense``, ``bf16``, ``int8``, ``arctopk`` (density ``--density``),
 ``dct`` (same density), ``accordion`` (ArcTopK, low 10x the density, high the
 density) and the static ArcTopK settings Accordion is compared with
-(``arctopk@d`` for d in the low and middle densities).  ``dense`` and
-``arctopk`` run ``--seeds`` seeds (default 3) and report the median and spread.
+(``arctopk@d`` for d in the low and middle densities).  The rows that decide a
+target (``dense``, ``arctopk``, ``accordion``, ``arctopk@d``) run ``--seeds`` seeds
+(default 3) and report the median and spread; the others one.  A ``-plain``
+suffix (``arctopk-plain``) runs ArcTopK with ``catch_up=False``: stock AdamW on
+the sparse sums.  Every row steps AdamW through ``net.all_reduce(..., step=opt)``.
 ``--values fp32|bf16|int8`` sets how every sparse row (ArcTopK, DCT, Accordion)
 sends its values (``values=``; the JSON's ``values``); the ``--testbed`` part's
 gossipnet methods use it too.
@@ -329,7 +332,9 @@ def main() -> None:
             for loss in args.losses:
                 if (row.startswith("arctopk@") or row == "accordion") and loss:
                     continue  # Accordion is compared at 0% loss
-                seeds = args.seeds if row in ("dense", "arctopk") else 1
+                # every row that decides a target: --seeds (Accordion and its static peers too)
+                decides = row in ("dense", "arctopk", "accordion") or row.startswith("arctopk@")
+                seeds = args.seeds if decides else 1
                 for seed in range(seeds):
                     settings.append(
                         Setting(
