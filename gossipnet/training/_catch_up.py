@@ -1,6 +1,6 @@
 """Adam for sparse, error-fed gradients: each value stepped as the rounds it stands for.
 
-Why: under ARC-Top-K or DCT an element's value this round is the error-fed sum
+Why: under ARC-Top-K an element's value this round is the error-fed sum
 of the ``k`` rounds since it last travelled (its *age*,
 :mod:`gossipnet.collectives.compress.staleness`).  Stock Adam takes it as one
 round's gradient and sees zeros in the other ``k - 1``; its second moment then
@@ -13,7 +13,9 @@ catch-up step treats the value as ``k`` rounds of its mean ``x = g / k``:
 
 which is exactly what Adam does over ``k`` rounds of a constant gradient ``x``
 (to first order in the change of ``m`` and ``v`` over them) and stock Adam when
-``k = 1``.  Elements not sent this round (age 0) keep ``m``, ``v`` and their
+``k = 1``.  Bias correction counts at least ``k`` rounds for the element (its
+averages absorbed ``k``, even when the optimizer state is younger).  Elements not
+sent this round (age 0) keep ``m``, ``v`` and their
 value: their gradient is still in the senders' error feedback.  Decoupled
 weight decay (AdamW) applies to every element each round, as in the dense run.
 
