@@ -18,7 +18,16 @@ from typing import Any
 import pytest
 import torch
 
-from gossipnet import DCT, Accordion, ArcTopK, Config, FakeClock, FaultPlan, Int8
+from gossipnet import (
+    DCT,
+    Accordion,
+    ArcTopK,
+    Config,
+    FakeClock,
+    FaultPlan,
+    Int8,
+    LayoutMismatchError,
+)
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 from gossipnet.collectives.compress import CompressSession, Ledger
 from gossipnet.collectives.compress import sparse as sparse_mod
@@ -292,13 +301,13 @@ def test_value_codecs_cut_bytes_and_stay_close_to_the_mean(
 
 
 @pytest.mark.timeout(60)
-def test_peers_with_other_value_codecs_count_drops_never_mix(
+def test_peers_with_other_value_codecs_raise_layout_mismatch_never_mix(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
 ) -> None:
-    """Two peers send int8 values, two float32 (a misconfiguration): every packet
-    from the other pair is a counted drop, never read as ours; each pair's rounds
-    complete with finite values, and what a peer holds comes only from its own pair
-    (a mix would show as values of the other pair's inputs)."""
+    """Two peers send int8 values, two float32 (a misconfiguration): the setting is
+    part of the round's layout, so no packet of the other pair is read as ours
+    (counted ``layout_mismatch``), each peer's own values stay finite and from its
+    own pair, and every peer raises ``LayoutMismatchError`` naming both settings."""
 
     def make(i: int, r: int) -> torch.Tensor:
         # the int8 pair's inputs are positive, the float32 pair's negative
@@ -313,21 +322,19 @@ def test_peers_with_other_value_codecs_count_drops_never_mix(
                 CompressSession(ArcTopK(density=0.05, values="int8" if i < 2 else "fp32"))
                 for i in range(N)
             ]
-            reasons = ("compressed_kind", "bad_chunk", "not_owner")  # chunkings differ too
-            for r in range(3):
-                before = [sum(e.dropped[k] for k in reasons) for e in engines]
-                xs = [make(i, r) for i in range(N)]
-                runs = [
-                    e.run([x], RoundOptions(timeout_s=2.0, compress=s))
-                    for e, x, s in zip(engines, xs, sessions, strict=True)
-                ]
-                await drive(clock, asyncio.gather(*runs), timeout_s=10)
-                for i, x in enumerate(xs):
-                    assert bool(torch.isfinite(x).all())
-                    assert bool((x >= 0).all() if i < 2 else (x <= 0).all()), (r, i)
-                    assert sum(engines[i].dropped[k] for k in reasons) > before[i], (r, i)
-            # decoded as far as the codec byte, and refused there
-            assert sum(e.dropped["compressed_kind"] for e in engines) > 0
+            xs = [make(i, 0) for i in range(N)]
+            runs = [
+                e.run([x], RoundOptions(timeout_s=2.0, compress=s))
+                for e, x, s in zip(engines, xs, sessions, strict=True)
+            ]
+            out = await drive(clock, asyncio.gather(*runs, return_exceptions=True), timeout_s=10)
+            for i, (x, res) in enumerate(zip(xs, out, strict=True)):
+                assert isinstance(res, LayoutMismatchError), res
+                assert "compress=topk16/int8" in str(res)
+                assert "compress=topk16/fp32" in str(res)
+                assert bool(torch.isfinite(x).all())
+                assert bool((x >= 0).all() if i < 2 else (x <= 0).all()), i
+            assert sum(e.dropped["layout_mismatch"] for e in engines) > 0
 
     run_async(main())
 

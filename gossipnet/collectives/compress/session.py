@@ -47,6 +47,13 @@ class CompressSession(SessionState):
         spec: a resolved ``compress=`` value (not None).
     """
 
+    def setting(self) -> str:
+        sparse = self.family in ("topk", "dct")
+        name = f"topk{self.block}" if self.family == "topk" else self.family
+        if sparse:
+            name += f"/{self.values}" + ("/catch-up" if self.catch_up else "")
+        return f"accordion({name})" if self.accordion is not None else name
+
     def chunk_bytes(
         self, base: int, numel: int, itemsize: int, participants: int, param_mode: bool
     ) -> int:

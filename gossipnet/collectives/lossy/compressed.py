@@ -26,6 +26,12 @@ Decoded = tuple[torch.Tensor, float | None] | str
 class ChunkCodec(Protocol):
     """One compressor for one round; every method runs on the loop thread."""
 
+    def setting(self) -> str:
+        """What every peer must pass alike (family, value codec, block), short: it
+        joins the round's layout description, so another setting is a
+        ``LayoutMismatchError`` naming both, not packets dropped one by one."""
+        ...
+
     def chunk_bytes(
         self, base: int, numel: int, itemsize: int, participants: int, param_mode: bool
     ) -> int:

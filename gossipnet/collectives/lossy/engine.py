@@ -33,6 +33,7 @@ from gossipnet.collectives.lossy.round import BufferPool, Round
 from gossipnet.collectives.lossy.round_id import (
     Alignment,
     alignment,
+    layout_of,
     valid_round,
 )
 from gossipnet.collectives.lossy.scatter import (
@@ -213,6 +214,9 @@ class LossyAllReduce(Intake):
         )  # fmt: skip
         if opts.compress is not None:  # before any packet of the round is taken in
             rnd.codec = opts.compress
+            # another setting elsewhere is another layout (.layout), not a stream of drops
+            rnd.layout, rnd.layout_desc = layout_of(rnd.plans, opts.compress.setting())
+            rnd.ident["L"] = rnd.layout
             opts.compress.begin(rnd, opts.on_reduced is not None)
         self._round = rnd
         self.next_round = r + 1

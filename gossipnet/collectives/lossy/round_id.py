@@ -81,15 +81,17 @@ def step_of_round(r: int) -> int:
     return r // IDS_PER_STEP
 
 
-def layout_of(plans: Sequence[ChunkPlan]) -> tuple[int, str]:
+def layout_of(plans: Sequence[ChunkPlan], setting: str = "") -> tuple[int, str]:
     """``(fingerprint, description)`` of a round's flat buckets.
 
     The description names each bucket's dtype and length (``f32[1234567]+f64[15]``),
     which is what must agree between peers; chunk sizes may differ (they follow
     ``Config.chunk_bytes``) and shapes inside a bucket are the caller's business.
+    ``setting``: a compressed round's (``ChunkCodec.setting``), which must agree
+    too (``f32[1234567] compress=topk16/int8``).
     """
     parts = [f"{DTYPE_CODES.get(p.dtype, str(p.dtype))}[{p.numel}]" for p in plans]
-    desc = "+".join(parts)
+    desc = "+".join(parts) + (f" compress={setting}" if setting else "")
     digest = hashlib.blake2b(desc.encode(), digest_size=4).digest()
     if len(desc) > MAX_LAYOUT_DESC:
         desc = desc[: MAX_LAYOUT_DESC - 3] + "..."
