@@ -330,6 +330,11 @@ def accept_rs_batch(
     as it would one by one; the bookkeeping then follows in arrival order.
     ``vals``/``where``: from :func:`rs_parts`, the blocks the parts' rows are in.
     """
+    if len(parts) == 1 and parts[0][3] is not None:  # one part: no batch to build
+        src, b, c, values, w, keep = parts[0]
+        if values is not None:
+            _accept_rs(ctx, rnd, src, b, c, values, w, keep)
+        return
     reasons: list[str | None] = [None] * len(parts)
     buckets: dict[int, list[int]] = {}
     for i, part in enumerate(parts):
