@@ -16,6 +16,12 @@ above 0 is the protocol cutting phases early, or kernel buffer drops).
 
     .venv/bin/python bench/step_loopback.py              # 15 reps
     PYTHONPATH=/tmp/before .venv/bin/python bench/step_loopback.py   # another build
+    .venv/bin/python bench/step_loopback.py --ops step --profile /tmp/prof   # cProfile
+
+``--ops`` times only the ops named (a sampling profiler such as py-spy, run over
+the bench, then sees only those); ``--profile DIR`` writes cProfile files of rank
+0's calling thread and event-loop thread per op (thread CPU time; the profiler
+itself slows the packet path several times, so read them for shares, not times).
 
 The last stdout line is one JSON object: per op ``wall_s``, ``cpu_s``, ``lost``.
 """
