@@ -16,13 +16,21 @@ above 0 is the protocol cutting phases early, or kernel buffer drops).
 
     .venv/bin/python bench/step_loopback.py              # 15 reps
     PYTHONPATH=/tmp/before .venv/bin/python bench/step_loopback.py   # another build
+    .venv/bin/python bench/step_loopback.py --ops step --profile /tmp/prof   # cProfile
+
+``--ops`` times only the ops named (a sampling profiler such as py-spy, run over
+the bench, then sees only those); ``--profile DIR`` writes cProfile files of rank
+0's calling thread and event-loop thread per op (thread CPU time; the profiler
+itself slows the packet path several times, so read them for shares, not times).
 
 The last stdout line is one JSON object: per op ``wall_s``, ``cpu_s``, ``lost``.
 """
 
 from __future__ import annotations
 
+import cProfile
 import multiprocessing as mp
+import os
 import time
 from typing import Any
 
@@ -32,7 +40,9 @@ WORLD = 4
 OPS = ("grads", "step", "allreduce")
 
 
-def _worker(rank: int, ports: list[int], reps: int, q: Any) -> None:
+def _worker(
+    rank: int, ports: list[int], reps: int, names: list[str], profile: str | None, q: Any
+) -> None:
     import torch
 
     import gossipnet
@@ -63,30 +73,69 @@ def _worker(rank: int, ports: list[int], reps: int, q: Any) -> None:
     ops = {"grads": grads, "step": step, "allreduce": lambda: net.all_reduce([flat], timeout=10)}
     out: dict[str, tuple[float, float, int]] = {}
     try:
-        for name in OPS:
+        for name in names:
             op = ops[name]
             op()
             op()
             lost = 0
+            stem = f"{profile}/{name}" if profile and rank == 0 else None
+            prof = _Profiles(net, stem)
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(reps):
-                report = op()
+                report = prof.caller.runcall(op) if prof.caller else op()
                 lost += getattr(report, "packets_lost", 0) or 0
             out[name] = ((time.perf_counter() - t0) / reps, (time.process_time() - c0) / reps, lost)
+            prof.dump()
     finally:
         net.close()
     q.put((rank, out))
 
 
+class _Profiles:
+    """cProfile in thread CPU time of the caller and the peer's event-loop thread.
+
+    One profiler per thread, since cProfile sees only the thread that enabled it;
+    ``time.thread_time`` so waiting for peers and other programs' load are not
+    counted as cost.  Off (``caller`` None) where ``stem`` is None.
+    """
+
+    def __init__(self, net: Any, stem: str | None) -> None:
+        self.net, self.stem = net, stem
+        self.caller = cProfile.Profile(time.thread_time) if stem else None
+        self.loop = cProfile.Profile(time.thread_time) if stem else None
+        if self.loop is not None:
+            net._loop.loop.call_soon_threadsafe(self.loop.enable)  # runs on the loop thread
+
+    def dump(self) -> None:
+        if self.caller is None or self.loop is None:
+            return
+
+        async def disable(p: cProfile.Profile) -> None:
+            p.disable()
+
+        self.net._loop.call(disable(self.loop), timeout_s=10)
+        self.caller.dump_stats(f"{self.stem}.caller.prof")
+        self.loop.dump_stats(f"{self.stem}.loop.prof")
+
+
 def main() -> None:
     parser = bench_parser(__doc__)
     parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS),
+                        help="which ops to time (a profiler then sees only those)")  # fmt: skip
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cProfile rank 0 (caller, event loop) per op into DIR")  # fmt: skip
     args = parser.parse_args()
     reps = 5 if args.quick else args.reps
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     ports = free_ports(WORLD)
-    procs = [ctx.Process(target=_worker, args=(r, ports, reps, q)) for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, ports, reps, args.ops, args.profile, q))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     res = dict(q.get(timeout=600) for _ in procs)
@@ -98,7 +147,7 @@ def main() -> None:
             "cpu_s": round(sum(r[name][1] for r in res.values()) / WORLD, 4),
             "lost": sum(r[name][2] for r in res.values()),
         }
-        for name in OPS
+        for name in args.ops
     }
     for name, row in summary.items():
         wall, cpu, lost = row["wall_s"], row["cpu_s"], row["lost"]

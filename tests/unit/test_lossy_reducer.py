@@ -200,3 +200,25 @@ def test_large_chunks_are_added_one_call_each(monkeypatch: pytest.MonkeyPatch) -
     assert many.accumulate_batch(parts) == want == [None, None, None, None, "non_finite", None]
     assert torch.equal(one.acc, many.acc)
     assert torch.equal(one.weights, many.weights)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_given_block_is_bit_identical_to_one_by_one(seed: int) -> None:
+    """``stacked``: the caller's block of full-length rows (parts without values) adds
+    and refuses exactly as the parts one by one, a NaN row and a duplicate included."""
+    own = torch.randn(10, generator=torch.Generator().manual_seed(7))
+    one, many = _reducer(own, first=10), _reducer(own, first=10)
+    parts = [p for p in _random_parts(seed, torch.float32) if p[2].numel() == CHUNK]
+    probe = _reducer(own, first=10)
+    taken = [i for i, p in enumerate(parts) if probe.accumulate(*p) is None]
+    parts[taken[1]][2][0] = float("nan")  # an accepted part made non-finite
+    parts.append(parts[taken[0]])  # a duplicate
+    want = [one.accumulate(*p) for p in parts]
+    members = [i for i, p in enumerate(parts) if i % 3 != 2]  # the rest keep their values
+    block = torch.stack([parts[i][2] for i in members])
+    lean = [(s, c, None if i in members else v, w) for i, (s, c, v, w) in enumerate(parts)]
+    assert many.accumulate_batch(lean, stacked=(block, members)) == want
+    assert {"non_finite", "duplicate", None} <= set(want)
+    assert torch.equal(one.acc, many.acc)
+    assert torch.equal(one.weights, many.weights)
+    assert torch.equal(one.contributors, many.contributors)

@@ -24,13 +24,14 @@ import functools
 
 import torch
 
-from gossipnet.collectives.chunks import all_finite, as_bytes, worth_stacking
+from gossipnet.collectives.chunks import as_bytes
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.cut import wait_phase
 from gossipnet.collectives.lossy.packets import (
     COPY_LAG,
     YIELD_EVERY,
     Send,
+    chunk_ids,
     chunk_of,
     compressed_fields,
     send_copies,
@@ -39,6 +40,7 @@ from gossipnet.collectives.lossy.packets import (
 from gossipnet.collectives.lossy.parity import on_parity, send_parity
 from gossipnet.collectives.lossy.reducer import OwnedShard, ShardReducer
 from gossipnet.collectives.lossy.round import Round
+from gossipnet.collectives.lossy.rows import ChunkRows, write_rows
 from gossipnet.collectives.lossy.stale_step import StaleStep
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
@@ -277,22 +279,23 @@ def _compressed_chunk(
 def on_ag_batch(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
     """:func:`on_ag` for consecutive data packets (no parity) of one drain, in order.
 
-    Why: per chunk, a finiteness reduction and a ``copy_`` cost ~2 us of dispatch
-    each.  Here each bucket's full-length chunks are stacked once, checked with
-    one row sum and written with one ``index_copy_``; every check is decided per
-    packet in :func:`on_ag`'s order (finiteness is a function of the packet alone,
-    so computing it first changes no decision), and the bytes written are the same.
+    Why: per chunk, a payload view, a finiteness reduction and a ``copy_`` cost
+    ~2 us of dispatch each.  Here each bucket's full-length chunks are joined
+    into one block once (:class:`.rows.ChunkRows`), checked with one row sum and
+    written with one ``index_copy_``; every check is decided per packet in
+    :func:`on_ag`'s order (finiteness is a function of the packet alone, so
+    computing it first changes no decision), and the bytes written are the same.
     Rounds that measure steps (``rnd.step_mag``, optimizer rounds) measure the
-    stacked rows together (:meth:`.stale_step.StaleStep.measure_rows`).
+    block's rows together (:meth:`.stale_step.StaleStep.measure_rows`).
     """
     items = []
     for pkt in pkts:
-        got = chunk_of(rnd, pkt, ctx.dropped, finite=False)
-        if got is not None:
-            items.append((pkt, *got))
-    finite = _finite_rows(rnd, [(b, values) for _, b, _, values in items])
-    writes: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    for (pkt, b, c, values), ok in zip(items, finite, strict=True):
+        ids = chunk_ids(rnd, pkt, ctx.dropped)
+        if ids is not None:
+            items.append((pkt, *ids))
+    vals = ChunkRows(rnd, items)
+    writes: dict[int, list[tuple[int, int]]] = {}
+    for i, ((pkt, b, c), ok) in enumerate(zip(items, vals.finite(), strict=True)):
         if not ok:
             ctx.dropped["non_finite"] += 1
         elif c in rnd.owned[b]:
@@ -302,10 +305,10 @@ def on_ag_batch(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
         else:
             if pkt.src in rnd.ag.ended:
                 ctx.note_after_end(rnd, pkt)
-            writes.setdefault(b, []).append((c, values))
+            writes.setdefault(b, []).append((c, i))
             _counted_ag(ctx, rnd, pkt.src, b, c)
     for b, chunks in writes.items():
-        _write_chunks(rnd, b, chunks)
+        write_rows(rnd, b, chunks, vals)
 
 
 def replay_ag(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
@@ -327,48 +330,6 @@ def replay_ag(ctx: PhaseContext, rnd: Round, pkts: list[Packet]) -> None:
             run.append(pkt)
     if run:
         on_ag_batch(ctx, rnd, run)
-
-
-def _finite_rows(rnd: Round, items: list[tuple[int, torch.Tensor]]) -> list[bool]:
-    """Per item, whether its values are all finite: one row sum per bucket and length."""
-    out = [True] * len(items)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, (b, values) in enumerate(items):
-        groups.setdefault((b, values.numel()), []).append(i)
-    for (b, _), idx in groups.items():
-        plan = rnd.plans[b]
-        if (
-            plan.dtype not in (torch.float32, torch.float64)
-            or len(idx) == 1
-            or not worth_stacking(plan.chunk_elems, plan.dtype)
-        ):
-            for i in idx:
-                out[i] = all_finite(items[i][1])
-            continue
-        sums = torch.stack([items[i][1] for i in idx]).sum(dim=1)
-        for i, ok in zip(idx, torch.isfinite(sums).tolist(), strict=True):
-            out[i] = ok
-    return out
-
-
-def _write_chunks(rnd: Round, b: int, chunks: list[tuple[int, torch.Tensor]]) -> None:
-    """Copy accepted chunks into ``dst[b]``: the full ones in one ``index_copy_``."""
-    plan, dst = rnd.plans[b], rnd.dst[b]
-    step = plan.chunk_elems
-    stack = worth_stacking(step, dst.dtype)
-    full = [(c, v) for c, v in chunks if stack and v.numel() == step]
-    if len(full) > 1:
-        grid = dst[: (dst.numel() // step) * step].view(-1, step)
-        rows = torch.stack([v for _, v in full]).to(dst.dtype)
-        idx = torch.tensor([c for c, _ in full])
-        if rnd.step_mag is not None:
-            StaleStep.measure_rows(rnd, b, idx, rows)
-        grid.index_copy_(0, idx, rows)
-    for c, values in chunks:
-        if len(full) <= 1 or values.numel() != step:
-            if rnd.step_mag is not None:
-                StaleStep.measure(rnd, b, c, values)
-            plan.view(dst, c).copy_(values)
 
 
 def _accept_ag(

@@ -24,7 +24,7 @@ from gossipnet.collectives.lossy.loss_watch import LossWatch
 from gossipnet.collectives.lossy.packets import EngineKinds
 from gossipnet.collectives.lossy.round import Phase, Round
 from gossipnet.collectives.lossy.round_id import MAX_LAYOUT_DESC, valid_mode, valid_round
-from gossipnet.collectives.lossy.scatter import accept_rs_batch, on_rs, rs_part
+from gossipnet.collectives.lossy.scatter import accept_rs_batch, on_rs, rs_parts
 from gossipnet.runtime.node import Node
 from gossipnet.transport.wire import Packet
 
@@ -114,9 +114,9 @@ class Intake:
                 rnd.rs.passed(pkt.src, now)
             on_ag_batch(self._ctx, rnd, run)
             return
-        parts = [p for p in (rs_part(self._ctx, rnd, pkt) for pkt in run) if p is not None]
+        parts, vals, where = rs_parts(self._ctx, rnd, run)
         if parts:
-            accept_rs_batch(self._ctx, rnd, parts)
+            accept_rs_batch(self._ctx, rnd, parts, vals, where)
 
     def _fast_kind(self, rnd: Round, pkt: Packet) -> int:
         """``pkt``'s kind if it is a data chunk of our round that :meth:`_on_packet`

@@ -34,6 +34,7 @@ __all__ = (
     "YIELD_EVERY",
     "EngineKinds",
     "Send",
+    "chunk_ids",
     "chunk_of",
     "chunk_sizes",
     "compressed_fields",
@@ -107,6 +108,29 @@ async def send_copies(node: Node, rnd: Round, sends: collections.deque[Send] | N
             await asyncio.sleep(0)
 
 
+def chunk_ids(rnd: Round, pkt: Packet, dropped: collections.Counter[str]) -> tuple[int, int] | None:
+    """:func:`chunk_of`'s checks without building the values: ``(bucket, chunk)``.
+
+    None when the packet does not fit our plan (counted in ``dropped``: ``bad_chunk``,
+    ``layout_mismatch``).  Where it fits, its payload holds exactly the chunk's
+    ``plan.chunk(c)`` elements of ``plan.dtype`` (the codec checked the length).
+    """
+    f = pkt.fields
+    b, c = f.get("b"), f.get("c")
+    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
+        dropped["bad_chunk"] += 1
+        return None
+    plan = rnd.plans[b]
+    if not 0 <= c < plan.nchunks:
+        dropped["bad_chunk"] += 1
+        return None
+    _, count = plan.chunk(c)
+    if DTYPES.get(f.get("dt", "")) != plan.dtype or f.get("n") != count:
+        dropped["layout_mismatch"] += 1
+        return None
+    return b, c
+
+
 def chunk_of(
     rnd: Round, pkt: Packet, dropped: collections.Counter[str], *, finite: bool = True
 ) -> tuple[int, int, torch.Tensor] | None:
@@ -119,20 +143,12 @@ def chunk_of(
         ``(bucket, chunk, values)``, ``values`` a zero-copy view of the payload;
         None when the packet does not fit, counted in ``dropped`` by reason.
     """
-    b, c = pkt.fields.get("b"), pkt.fields.get("c")
-    if not (isinstance(b, int) and isinstance(c, int) and 0 <= b < len(rnd.plans)):
-        dropped["bad_chunk"] += 1
+    ids = chunk_ids(rnd, pkt, dropped)
+    if ids is None:
         return None
+    b, c = ids
     plan = rnd.plans[b]
-    if not 0 <= c < plan.nchunks:
-        dropped["bad_chunk"] += 1
-        return None
-    dtype = DTYPES.get(pkt.fields.get("dt", ""))
-    _, count = plan.chunk(c)
-    if dtype != plan.dtype or pkt.fields.get("n") != count:
-        dropped["layout_mismatch"] += 1
-        return None
-    values = from_bytes(pkt.payload, dtype, count)
+    values = from_bytes(pkt.payload, plan.dtype, plan.chunk(c)[1])
     if finite and not all_finite(values):
         dropped["non_finite"] += 1
         return None

@@ -40,8 +40,9 @@ from gossipnet.collectives.chunks import all_finite, worth_stacking
 
 __all__ = ("OwnedShard", "Part", "ShardReducer")
 
-#: One contribution: ``(sender, chunk, values, weight)``, as :meth:`ShardReducer.accumulate`.
-Part = tuple[str, int, torch.Tensor, float]
+#: One contribution: ``(sender, chunk, values, weight)``, as :meth:`ShardReducer.accumulate`;
+#: ``values`` None only for a part whose values are a row of ``accumulate_batch``'s ``stacked``.
+Part = tuple[str, int, torch.Tensor | None, float]
 #: Dtypes whose finiteness a row sum tells (``chunks.all_finite``'s rule).
 _SUM_CHECKED = (torch.float32, torch.float64)
 
@@ -128,7 +129,7 @@ class ShardReducer:
             ``"not_owner"`` (a chunk outside the shard), ``"failed_sender"``,
             ``"duplicate"``, ``"layout_mismatch"`` (wrong length) or ``"non_finite"``.
         """
-        reason = self._refuse(sender, chunk, values, weight)
+        reason = self._refuse(sender, chunk, values.numel(), weight)
         if reason is None and check and not all_finite(values):
             reason = "non_finite"
         if reason is not None:
@@ -138,7 +139,13 @@ class ShardReducer:
         self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
         return None
 
-    def accumulate_batch(self, parts: Sequence[Part], *, check: bool = True) -> list[str | None]:
+    def accumulate_batch(
+        self,
+        parts: Sequence[Part],
+        *,
+        check: bool = True,
+        stacked: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> list[str | None]:
         """:meth:`accumulate` each of ``parts`` in order, in a few tensor operations.
 
         Why: one drain of the receive socket delivers tens of chunks; per chunk,
@@ -150,32 +157,59 @@ class ShardReducer:
         bit-identical to accumulating the parts one by one, and every refusal
         rule (and its reason) is the same, decided in the same order.
 
+        ``stacked``: ``(block, members)``, the caller's stack already made
+        (:class:`.rows.ChunkRows`: the payloads joined once): row ``r`` of
+        ``block`` is part ``members[r]``'s full-length values, and those parts
+        may carry None as values.  Without it, parts are stacked here.
+
         Returns:
             Per part, None when added, else the refusal reason (:meth:`accumulate`).
         """
-        step = self.chunk_elems
-        stack = worth_stacking(step, self.acc.dtype)
-        full = [i for i, p in enumerate(parts) if stack and p[2].numel() == step]
-        rows: dict[int, int] = {i: r for r, i in enumerate(full)}
-        stacked = torch.stack([parts[i][2] for i in full]) if len(full) > 1 else None
+        if stacked is not None:
+            block: torch.Tensor | None = stacked[0]
+            rows = {i: r for r, i in enumerate(stacked[1])}
+        else:
+            step, dtype = self.chunk_elems, self.acc.dtype
+            full = [
+                i for i, p in enumerate(parts)
+                if p[2] is not None and p[2].numel() == step and worth_stacking(step, dtype)
+            ]  # fmt: skip
+            rows = {i: r for r, i in enumerate(full)}
+            block = (
+                torch.stack([cast(torch.Tensor, parts[i][2]) for i in full])
+                if len(full) > 1
+                else None
+            )
+            if block is None:
+                rows = {}
         finite: list[bool] | None = None
-        if check and stacked is not None and stacked.dtype in _SUM_CHECKED:
-            finite = torch.isfinite(stacked.sum(dim=1)).tolist()
-        if stacked is not None and stacked.dtype != self.acc.dtype:
-            stacked = stacked.to(self.acc.dtype)  # exact (wider), as add_ promotes it
+        if check and block is not None and block.dtype in _SUM_CHECKED:
+            finite = torch.isfinite(block.sum(dim=1)).tolist()
+        if block is not None and block.dtype != self.acc.dtype:
+            block = block.to(self.acc.dtype)  # exact (wider), as add_ promotes it
         reasons: list[str | None] = []
         taken: list[tuple[int, int, float]] = []  # (part, chunk row, weight)
+        width = block.shape[1] if block is not None else 0
         for i, (sender, chunk, values, weight) in enumerate(parts):
-            reason = self._refuse(sender, chunk, values, weight)
+            r = rows.get(i)  # rows is empty without a block
+            numel = width if r is not None else cast(torch.Tensor, values).numel()
+            reason = self._refuse(sender, chunk, numel, weight)
             if reason is None and check:
-                r = rows.get(i)
-                ok = finite[r] if finite is not None and r is not None else all_finite(values)
+                if r is not None and finite is not None:
+                    ok = finite[r]
+                else:  # one reduction: a row (not sum-checked dtype) or a lone part
+                    ok = all_finite(
+                        cast(
+                            torch.Tensor,
+                            block[r] if r is not None and block is not None else values,
+                        )
+                    )
                 reason = None if ok else "non_finite"
             reasons.append(reason)
             if reason is None:
                 self._take(sender, chunk, weight)
                 taken.append((i, chunk - self.chunks.start, weight))
-        self._add_rows(parts, taken, rows, stacked)
+        self._add_rows(parts, taken, rows, block)
         return reasons
 
     def _add_rows(
@@ -204,11 +238,11 @@ class ShardReducer:
                 run.append((r, row))
                 run_w = weight
             else:
-                values = parts[i][2]
+                values = cast(torch.Tensor, parts[i][2])  # not stacked: it has values
                 lo = row * step
                 acc[lo : lo + values.numel()].add_(values, alpha=weight)
 
-    def _refuse(self, sender: str, chunk: int, values: torch.Tensor, weight: float) -> str | None:
+    def _refuse(self, sender: str, chunk: int, numel: int, weight: float) -> str | None:
         """Why a part cannot be added, checked cheapest first; None if it can."""
         if self.closed:
             return "late"
@@ -221,7 +255,7 @@ class ShardReducer:
         if (sender, chunk) in self._seen:
             return "duplicate"
         lo = (chunk - self.chunks.start) * self.chunk_elems
-        if values.numel() != min(self.chunk_elems, self.acc.numel() - lo):
+        if numel != min(self.chunk_elems, self.acc.numel() - lo):
             return "layout_mismatch"
         return None
 

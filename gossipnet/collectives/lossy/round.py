@@ -171,6 +171,7 @@ class Round:
             for b, cb in zip(self.src, chunk_bytes, strict=True)
         ]
         self.maps = [ShardMap(plan, participants) for plan in self.plans]
+        self._ag_expect: dict[str, int] = {}  # ag_expected's answers
         # what every data packet carries so that no other layout is mixed in (.round_id)
         self.layout, self.layout_desc = layout_of(self.plans)
         self.ident = {"r": r, "m": mode, "L": self.layout}  # opens every packet's fields
@@ -245,7 +246,11 @@ class Round:
 
     def ag_expected(self, peer: str) -> int:
         """All-gather packets ``peer`` sends us if it shares our view (its owned chunks)."""
-        return sum(len(m.chunks_of(peer)) for m in self.maps if peer in m.participants)
+        n = self._ag_expect.get(peer)
+        if n is None:  # asked once per arriving chunk; the maps are the round's, fixed
+            n = sum(len(m.chunks_of(peer)) for m in self.maps if peer in m.participants)
+            self._ag_expect[peer] = n
+        return n
 
     def report(self, elapsed: float, timed_out: bool) -> CollectiveReport:
         """The round's :class:`CollectiveReport`: who contributed, sent, received, lost."""

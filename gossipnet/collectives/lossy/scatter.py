@@ -18,13 +18,13 @@ import collections
 
 import torch
 
-from gossipnet.collectives.chunks import as_bytes
+from gossipnet.collectives.chunks import as_bytes, from_bytes
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.packets import (
     COPY_LAG,
     YIELD_EVERY,
     Send,
-    chunk_of,
+    chunk_ids,
     compressed_fields,
     send_copies,
     send_copy,
@@ -32,6 +32,7 @@ from gossipnet.collectives.lossy.packets import (
 from gossipnet.collectives.lossy.parity import group_count, on_parity, send_parity
 from gossipnet.collectives.lossy.reducer import OwnedShard
 from gossipnet.collectives.lossy.round import Round
+from gossipnet.collectives.lossy.rows import ChunkRows
 from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
@@ -43,6 +44,7 @@ __all__ = (
     "on_rs",
     "rs_order",
     "rs_part",
+    "rs_parts",
     "send_rs",
 )
 
@@ -203,15 +205,20 @@ def on_rs(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     part = rs_part(ctx, rnd, pkt)
     if part is not None:
         src, b, c, values, w, keep = part
-        _accept_rs(ctx, rnd, src, b, c, values, w, keep)
+        if values is not None:  # always: rs_part views by default
+            _accept_rs(ctx, rnd, src, b, c, values, w, keep)
 
 
-#: A checked contribution: (sender, bucket, chunk, values, weight, payload to keep).
-RsPart = tuple[str, int, int, torch.Tensor, float, memoryview | None]
+#: A checked contribution: (sender, bucket, chunk, values, weight, payload to keep);
+#: values None only from ``rs_part(view=False)``: a dense chunk not yet viewed.
+RsPart = tuple[str, int, int, torch.Tensor | None, float, memoryview | None]
 
 
-def rs_part(ctx: PhaseContext, rnd: Round, pkt: Packet) -> RsPart | None:
+def rs_part(ctx: PhaseContext, rnd: Round, pkt: Packet, *, view: bool = True) -> RsPart | None:
     """What :func:`on_rs` does before adding: the checks of ``pkt`` as a contribution.
+
+    ``view``: False leaves a dense chunk's values None (:func:`rs_parts` makes
+    them for a whole run at once).
 
     Returns the contribution, or None where the packet was dropped (counted) or
     was a parity packet (handled here, as :func:`on_rs` does).
@@ -244,12 +251,45 @@ def rs_part(ctx: PhaseContext, rnd: Round, pkt: Packet) -> RsPart | None:
     if rnd.codec is not None:  # a dense contribution to a compressed round: another setting
         ctx.dropped["compressed_kind"] += 1
         return None
-    got = chunk_of(rnd, pkt, ctx.dropped, finite=False)  # the reducer checks values
-    if got is None:
+    ids = chunk_ids(rnd, pkt, ctx.dropped)  # the reducer checks the values
+    if ids is None:
         return None
-    b, c, values = got
+    b, c = ids
+    plan = rnd.plans[b]
+    values = from_bytes(pkt.payload, plan.dtype, plan.chunk(c)[1]) if view else None
     keep = pkt.payload if pkt.fields.get("x") else None
     return src, b, c, values, float(w), keep
+
+
+def rs_parts(
+    ctx: PhaseContext, rnd: Round, pkts: list[Packet]
+) -> tuple[list[RsPart], ChunkRows | None, list[int]]:
+    """:func:`rs_part` for a run of one drain, the dense chunks' values made together.
+
+    Returns the parts, the run's :class:`.rows.ChunkRows` (None where no part
+    is a dense chunk) and, per row item, its part's index.  Parts whose values
+    are a row of a block keep None as values (:func:`accept_rs_batch` passes
+    the block); the others are viewed as before.
+    """
+    parts: list[RsPart] = []
+    items: list[tuple[Packet, int, int]] = []
+    where: list[int] = []
+    for pkt in pkts:
+        part = rs_part(ctx, rnd, pkt, view=False)
+        if part is None:
+            continue
+        if part[3] is None:
+            items.append((pkt, part[1], part[2]))
+            where.append(len(parts))
+        parts.append(part)
+    if not items:
+        return parts, None, where
+    vals = ChunkRows(rnd, items)
+    for k, i in enumerate(where):
+        if vals.row[k] < 0:
+            src, b, c, _, w, keep = parts[i]
+            parts[i] = (src, b, c, vals.values(k), w, keep)
+    return parts, vals, where
 
 
 def _compressed_part(ctx: PhaseContext, rnd: Round, pkt: Packet, w: float) -> RsPart | None:
@@ -277,14 +317,23 @@ def _compressed_part(ctx: PhaseContext, rnd: Round, pkt: Packet, w: float) -> Rs
     return pkt.src, b, c, values, w if weight is None else weight, None
 
 
-def accept_rs_batch(ctx: PhaseContext, rnd: Round, parts: list[RsPart]) -> None:
+def accept_rs_batch(
+    ctx: PhaseContext,
+    rnd: Round,
+    parts: list[RsPart],
+    vals: ChunkRows | None = None,
+    where: list[int] | None = None,
+) -> None:
     """:func:`_accept_rs` for each of ``parts`` in order, adding per bucket in one call.
 
     The reducer (:meth:`.reducer.ShardReducer.accumulate_batch`) decides each part
     as it would one by one; the bookkeeping then follows in arrival order.
+    ``vals``/``where``: from :func:`rs_parts`, the blocks the parts' rows are in.
     """
-    if len(parts) == 1:
-        _accept_rs(ctx, rnd, *parts[0])
+    if len(parts) == 1 and parts[0][3] is not None:  # one part: no batch to build
+        src, b, c, values, w, keep = parts[0]
+        if values is not None:
+            _accept_rs(ctx, rnd, src, b, c, values, w, keep)
         return
     reasons: list[str | None] = [None] * len(parts)
     buckets: dict[int, list[int]] = {}
@@ -292,7 +341,8 @@ def accept_rs_batch(ctx: PhaseContext, rnd: Round, parts: list[RsPart]) -> None:
         buckets.setdefault(part[1], []).append(i)
     for b, idx in buckets.items():
         got = rnd.reducers[b].accumulate_batch(
-            [(parts[i][0], parts[i][2], parts[i][3], parts[i][4]) for i in idx]
+            [(parts[i][0], parts[i][2], parts[i][3], parts[i][4]) for i in idx],
+            stacked=_stacked(vals, where, b, idx),
         )
         for i, reason in zip(idx, got, strict=True):
             reasons[i] = reason
@@ -301,6 +351,17 @@ def accept_rs_batch(ctx: PhaseContext, rnd: Round, parts: list[RsPart]) -> None:
             ctx.dropped[reason] += 1
         else:
             _counted_rs(ctx, rnd, src, b, c, keep)
+
+
+def _stacked(
+    vals: ChunkRows | None, where: list[int] | None, b: int, idx: list[int]
+) -> tuple[torch.Tensor, list[int]] | None:
+    """Bucket ``b``'s block as the reducer takes it: rows and their parts' places in ``idx``."""
+    if vals is None or where is None or b not in vals.blocks:
+        return None
+    local = {i: n for n, i in enumerate(idx)}
+    members = [local[where[k]] for k, r in enumerate(vals.row) if r >= 0 and where[k] in local]
+    return vals.blocks[b], members
 
 
 def _accept_rs(
