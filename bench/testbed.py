@@ -112,9 +112,13 @@ def _args() -> Any:
     p = bench_parser(__doc__)
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--losses", default=None, help="kernel loss rates (quick: 0,0.05,0.1)")
-    p.add_argument("--cap-losses", default=None, help="capped rows' rates (quick: 0,0.05)")
+    p.add_argument(
+        "--cap-losses", default=None, help="capped rows' rates (quick: 0,0.05; '' for none)"
+    )
     p.add_argument("--busy", type=int, default=1, help="busy-loop processes in the busy rows")
-    p.add_argument("--busy-losses", default=None, help="uncapped rows run busy too (0.05)")
+    p.add_argument(
+        "--busy-losses", default=None, help="uncapped rows run busy too (0.05; '' for none)"
+    )
     p.add_argument("--cap-mbit", type=float, default=100.0, help="the capped rows' link rate")
     p.add_argument("--queue-ms", type=float, default=50.0, help="cap queue (delay bound)")
     p.add_argument("--mtu", type=int, default=9000)
@@ -135,10 +139,11 @@ def _args() -> Any:
     a.chunk_bytes = a.chunk_bytes or chunk_for_mtu(a.mtu)
     a.losses = a.losses or ("0,0.05,0.1" if q else "0,0.01,0.05,0.1")
     a.loss_list = [float(x) for x in a.losses.split(",")]
-    a.cap_losses = a.cap_losses or ("0,0.05" if q else a.losses)
-    a.cap_list = [float(x) for x in a.cap_losses.split(",")]
-    a.busy_losses = a.busy_losses or ("0.05" if q else "0,0.05")
-    a.busy_list = [float(x) for x in a.busy_losses.split(",")] if a.busy > 0 else []
+    # None: the preset; "" (``--cap-losses ''``): no such rows
+    a.cap_losses = ("0,0.05" if q else a.losses) if a.cap_losses is None else a.cap_losses
+    a.cap_list = [float(x) for x in a.cap_losses.split(",") if x]
+    a.busy_losses = ("0.05" if q else "0,0.05") if a.busy_losses is None else a.busy_losses
+    a.busy_list = [float(x) for x in a.busy_losses.split(",") if x] if a.busy > 0 else []
     return a
 
 

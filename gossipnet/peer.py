@@ -226,8 +226,10 @@ class Peer:
             weight = 0.0
         t = self.config.collective_timeout_s if timeout is None else timeout
         session = self._compress_session(spec, staged.cpu) if spec is not None else None
-        if session is not None and step is not None:
-            session.track_applied()
+        if session is not None:
+            session.set_segments(staged.flat.segments())  # Accordion decides per tensor
+            if step is not None:
+                session.track_applied()
         work = functools.partial(self._all_reduce, staged.cpu, weight, t, session)
         report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)

@@ -222,6 +222,14 @@ class FlatBuffer:
         ]
         _copy_all([t for t, _ in pairs], [v for _, v in pairs])
 
+    def segments(self) -> list[list[int]]:
+        """Per bucket, the offsets where its tensors start (ascending, from 0): the
+        layers a per-layer rule (Accordion) tells apart."""
+        out: list[list[int]] = [[] for _ in self.buckets]
+        for s in self._slots:
+            out[s.bucket].append(s.offset)
+        return [sorted(starts) or [0] for starts in out]
+
     def split(self, buckets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Per tensor, its view of ``buckets`` (any dtype, the layout's lengths), shaped
         like the tensor: per-element side data (ages, weights) mapped back to tensors."""

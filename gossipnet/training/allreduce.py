@@ -111,6 +111,10 @@ class AllReduceStrategy:
         self.grad_flats = [
             FlatBuffer([torch.zeros_like(p) for p in ps]) if ps else None for ps in self.groups
         ]
+        if self.compress is not None:  # Accordion decides per tensor of each bucket
+            self.compress.set_segments(
+                [st for flat in self.grad_flats if flat is not None for st in flat.segments()]
+            )
         bucket_group: list[int] = []
         for g, flat in enumerate(self.param_flats):
             if flat is not None:

@@ -18,7 +18,7 @@ import torch
 import gossipnet
 from gossipnet import DCT, Accordion, ArcTopK, ConfigError, Int8
 from gossipnet.clock import FakeClock
-from gossipnet.collectives.compress import CompressSession, accordion, dct, quant, topk
+from gossipnet.collectives.compress import CompressSession, accordion, budget, dct, quant, topk
 from gossipnet.collectives.compress.payload import NONE, Bad, Reader, Z, bitmap, in_bitmap, join
 from gossipnet.collectives.compress.spec import resolve
 from gossipnet.collectives.lossy import gather, scatter
@@ -181,6 +181,40 @@ def test_accordion_rule() -> None:
     # first interval critical; then 2 -> 2 (calm); then 2 -> 10 (a jump: critical)
     assert seen == [True, True, True, False, False, True]
     assert st.switches == 2
+
+
+def test_accordion_decides_per_layer() -> None:
+    """Two layers in one bucket: only the one whose accumulated norm jumps turns
+    critical, and ARC-Top-K's blocks take their own layer's density."""
+    st = accordion.AccordionState(interval=1, threshold=0.5)
+    st.set_segments(0, torch.tensor([0, 32]))
+    calm, jump = torch.ones(32), torch.ones(32)
+    st.observe(0, torch.cat([calm, jump]))  # first interval: both critical
+    st.observe(0, torch.cat([calm, jump * 5]))
+    held = st.layers(0)
+    assert held is not None
+    assert held[1].tolist() == [False, True]
+    assert st.critical_now(0)
+    assert st.critical_share(0, 64) == 0.5
+    assert accordion.layer_norms(torch.cat([calm, jump * 5]), torch.tensor([0, 32])).tolist() == [
+        pytest.approx(32**0.5),
+        pytest.approx(5 * 32**0.5),
+    ]
+    sess = CompressSession(
+        Accordion(low=ArcTopK(density=0.5, block=8), high=ArcTopK(density=0.1, block=8), interval=1)
+    )
+    assert sess.accordion is not None
+    sess.set_segments([[0, 32]])
+    for g in (torch.cat([calm, jump]), torch.cat([calm, jump * 5])):
+        sess.accordion.observe(0, g)
+    dens = sess.block_densities(0, 8)
+    assert dens is not None
+    assert dens.tolist() == [pytest.approx(0.1)] * 4 + [pytest.approx(0.5)] * 4
+    # the budget: the top 10% of the calm layer's blocks and 50% of the critical one's
+    own = torch.arange(8, dtype=torch.float32) + 1.0
+    cut = budget.top_cut(sess, 0, own, 1)
+    assert isinstance(cut, torch.Tensor)
+    assert int(((own >= cut) & (own > 0)).sum()) == 1 + 2
 
 
 def test_bitmap_round_trip() -> None:

@@ -38,8 +38,10 @@ packets), ``bytes_dense`` (what float32 would have sent: the payload in chunks o
 the dense size, each with the same header and MAC bytes), ``compression_ratio``,
 ``index_mismatch``, ``missed_announcement``, ``sketch_only``, ``ef_restored``,
 ``ef_unresolved`` (this round) and ``ef_unresolved_total``, ``accordion_critical``
-(share of buckets in the light setting), ``dropped_<reason>`` (malformed compressed
-payloads this round: ``compressed_index``, ``compressed_count``, ``non_finite``, ...).
+(share of the elements in critical layers, the light setting), ``catch_up`` (the
+optimizer took Adam's catch-up step), ``dropped_<reason>`` (malformed compressed
+payloads this round: ``compressed_index``, ``compressed_count``, ``compressed_age``,
+``non_finite``, ...).
 """
 
 from gossipnet.collectives.compress.session import CompressSession, Ledger

@@ -48,8 +48,27 @@ def dct_cap(sess: SessionState, n: int) -> int:
     return max(1, min(n, math.ceil(2 * sess.max_density() * n)))
 
 
+def top_cut(sess: SessionState, b: int, own: torch.Tensor, mult: int) -> float | torch.Tensor:
+    """The value a block of bucket ``b`` (block energies ``own``) must reach to be
+    among the top ``mult x density`` of the bucket: one number, or under Accordion
+    one per block (the top of each density group of layers, so a critical layer
+    gets its light setting's budget and a calm one its heavy setting's)."""
+    m = own.numel()
+    dens = sess.block_densities(b, m)
+    if dens is None:
+        k = max(1, min(m, mult * round(sess.density(b) * m)))
+        return float(torch.topk(own, k).values[-1])
+    cut = torch.empty(m)
+    for d in torch.unique(dens):
+        sel = dens == d
+        group = own[sel]
+        k = max(1, min(group.numel(), mult * round(float(d) * group.numel())))
+        cut[sel] = torch.topk(group, k).values[-1]
+    return cut
+
+
 def proposals(
-    sess: SessionState, b: int, res: torch.Tensor, nvals: int
+    sess: SessionState, b: int, off: int, res: torch.Tensor, nvals: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Our sketch of a chunk: the blocks of its residual (block norms ``res``) among
     the top ``2K`` of our whole bucket, as (ids, norms): a sparse sketch.
@@ -61,9 +80,10 @@ def proposals(
     """
     tau = sess.tau2.get(b)
     if tau is None:
-        own = sess.sketch(b, 0, sess.u[b])
-        k = max(1, min(own.numel(), 2 * round(sess.density(b) * own.numel())))
-        tau = sess.tau2[b] = float(torch.topk(own, k).values[-1])
+        tau = sess.tau2[b] = top_cut(sess, b, sess.sketch(b, 0, sess.u[b]), 2)
+    if isinstance(tau, torch.Tensor):  # per block of the bucket: this chunk's blocks
+        first = off // sess.block
+        tau = tau[first : first + res.numel()]
     ids = torch.nonzero((res >= tau) & (res > 0)).flatten()
     room = max(0, (sess.base_chunk - 64 - coded_bytes(sess.values, nvals)) // 6)
     if ids.numel() > room:
@@ -87,8 +107,7 @@ def next_size(sess: SessionState, rnd: Any, b: int, off: int, n: int) -> int:
     hot = sess.hot.get(b)
     if hot is None:
         own = sess.sketch(b, 0, sess.e[b] + sess.m[b]).square_()
-        k = max(1, min(own.numel(), round(sess.density(b) * own.numel())))
-        tau = torch.topk(own, k).values[-1]
+        tau = top_cut(sess, b, own, 1)
         hot = sess.hot[b] = torch.cumsum(((own >= tau) & (own > 0)).to(torch.int64), 0)
     lo, hi = -(-off // blk), -(-(off + n) // blk)
     share = int(hot[hi - 1]) - (int(hot[lo - 1]) if lo > 0 else 0) if hi > lo else 0

@@ -163,7 +163,7 @@ class CompressSession(SessionState):
             extra.setdefault(k, 0.0)
         extra["ef_unresolved_total"] = float(self.totals["ef_unresolved"])
         if self.accordion is not None:
-            crit = [self.accordion.critical_now(b) for b in range(len(rnd.plans))]
+            crit = [self.accordion.critical_share(b, p.numel) for b, p in enumerate(rnd.plans)]
             extra["accordion_critical"] = sum(crit) / max(1, len(crit))
         self.totals.update({k: v for k, v in self.counters.items() if not k.startswith("bytes")})
         self.src = []

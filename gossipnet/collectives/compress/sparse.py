@@ -144,7 +144,7 @@ def encode_rs(sess: CompressSession, rnd: Any, owner: str, b: int, c: int) -> tu
         tag = NONE
     parts = _send(sess, rnd, owner, b, c, idx, off)
     ids, props = budget.proposals(
-        sess, b, sess.sketch(b, off, e_c + sess.m[b][off : off + n]), idx.numel()
+        sess, b, off, sess.sketch(b, off, e_c + sess.m[b][off : off + n]), idx.numel()
     )
     head = _TOPK_RS.pack(tag, ids.numel(), idx.numel(), CODEC_IDS[sess.values])
     return Z.TOPK_RS, join(head, ids.to(torch.int32), props.to(torch.bfloat16), *parts)

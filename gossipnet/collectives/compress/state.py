@@ -94,7 +94,7 @@ class SessionState:
         # per bucket, this round: running count of our own whole-bucket sketch's top
         # blocks, which shares the bucket's budget out over the chunks (.budget.next_size)
         self.hot: dict[int, torch.Tensor] = {}
-        self.tau2: dict[int, float] = {}  # per bucket, this round: our sketch's cut
+        self.tau2: dict[int, float | torch.Tensor] = {}  # per bucket, this round: our sketch's cut
         self.valueless: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
         self.got: dict[tuple[int, int, str], torch.Tensor] = {}
         self.theta: list[float] = []
@@ -118,14 +118,40 @@ class SessionState:
 
     # ------------------------------------------------------------------ sizing
     def density(self, b: int) -> float:
-        """The density in force for bucket ``b`` (Accordion: by its decision)."""
+        """The density in force for bucket ``b`` (Accordion: its layers' densities,
+        weighted by their sizes)."""
         spec = self.spec
         if isinstance(spec, Accordion):
-            crit = self.accordion is None or self.accordion.critical_now(b)
-            return density_of(spec.low if crit else spec.high)
+            lo, hi = density_of(spec.low), density_of(spec.high)
+            if self.accordion is None or not self.e:
+                return lo
+            share = self.accordion.critical_share(b, int(self.e[b].numel()))
+            return hi + share * (lo - hi)
         if isinstance(spec, (ArcTopK, DCT)):
             return density_of(spec)
         return 1.0
+
+    def set_segments(self, starts: list[list[int]]) -> None:
+        """Where each tensor (layer) starts in each bucket, so Accordion decides per
+        layer; without it a bucket is one layer."""
+        if self.accordion is not None:
+            for b, st in enumerate(starts):
+                self.accordion.set_segments(b, torch.tensor(st, dtype=torch.int64))
+
+    def block_densities(self, b: int, nblocks: int) -> torch.Tensor | None:
+        """ARC-Top-K under Accordion: the density in force for each block of bucket
+        ``b`` (its layer's, by the layer of its first element); None otherwise."""
+        spec = self.spec
+        if not isinstance(spec, Accordion) or self.accordion is None or not self.block:
+            return None
+        held = self.accordion.layers(b)
+        if held is None:
+            return None  # before the first decision every layer is critical
+        starts, crit = held
+        first = torch.arange(nblocks, dtype=torch.int64) * self.block
+        layer = torch.searchsorted(starts, first, right=True) - 1
+        lo, hi = density_of(spec.low), density_of(spec.high)
+        return torch.where(crit[layer.clamp_(min=0)], lo, hi)
 
     def max_density(self) -> float:
         spec = self.spec
