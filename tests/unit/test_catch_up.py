@@ -132,6 +132,7 @@ def test_block_mean_and_flat_split() -> None:
     assert block_mean(torch.arange(5, dtype=torch.float32), 2).tolist() == [0.5, 2.5, 4.0]
     a, b = torch.zeros(2, 3), torch.zeros(4)
     flat = FlatBuffer([a, b])
+    assert flat.segments() == [[0, 6]]  # where each tensor starts (Accordion's layers)
     views = flat.split([torch.arange(10, dtype=torch.float32)])
     assert views[0].shape == (2, 3)
     assert views[1].tolist() == [6, 7, 8, 9]
