@@ -90,3 +90,22 @@ def test_sparse_all_reduce_with_int8_values_of_cuda_tensors() -> None:
     at = out[0] != 0
     assert 0.08 * 50_000 <= int(at.sum()) <= 0.15 * 50_000
     torch.testing.assert_close(out[0][at], torch.full((int(at.sum()),), 1.5), rtol=0.01, atol=0)
+
+
+def test_catch_up_step_on_cuda_matches_cpu() -> None:
+    """Adam's catch-up step (ages on the CPU, as the session keeps them) on a CUDA
+    parameter gives the CPU step's values and state."""
+    from gossipnet.training._catch_up import catch_up_step
+
+    g = torch.Generator().manual_seed(1)
+    init = torch.randn(4, 64, generator=g)
+    cpu, gpu = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.cuda())
+    opt_c = torch.optim.AdamW([cpu], lr=0.01)
+    opt_g = torch.optim.AdamW([gpu], lr=0.01)
+    for _ in range(4):
+        grad = torch.randn(4, 64, generator=g)
+        age = (torch.rand(4, 64, generator=g) * 4).floor()  # 0 (not sent) .. 3
+        catch_up_step(cpu, grad, age, opt_c.state[cpu], opt_c.param_groups[0])
+        catch_up_step(gpu, grad.cuda(), age, opt_g.state[gpu], opt_g.param_groups[0])
+    torch.testing.assert_close(gpu.detach().cpu(), cpu.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt_g.state[gpu]["exp_avg_sq"].cpu(), opt_c.state[cpu]["exp_avg_sq"])
