@@ -131,3 +131,19 @@ def repack(head: bytes, rows: list[tuple[int, int, int, int]]) -> list[bytes]:
     tail = head[FIXED.size :]
     fmt = FIXED.pack
     return [fmt(*pre, q, r, lay, b, c, n, w) + tail for q, b, c, n in rows]
+
+
+def fields_of(
+    mode: int, code: str, r: int, lay: int, b: int, c: int, n: int, flags: int,
+    w: float, x: int, z: int,
+) -> dict[str, Any]:  # fmt: skip
+    """A parsed header's fields as the msgpack path gives them (optional ones by flag):
+    the one place both decoders (``wire``, ``_fast_decode``) build them."""
+    fields: dict[str, Any] = {"r": r, "m": mode, "L": lay, "b": b, "c": c, "dt": code, "n": n}
+    if flags & HAS_W:
+        fields["w"] = w
+    if flags & HAS_X:
+        fields["x"] = x
+    if flags & HAS_Z:
+        fields["z"] = z
+    return fields

@@ -155,11 +155,5 @@ class FixedFastPath:
             self._reject(reason, src)
             return None
         code = _fixed.DTYPE_ORDER[dt]
-        fields: dict[str, Any] = {"r": r, "m": mode, "L": lay, "b": b, "c": c, "dt": code, "n": n}
-        if flags & _fixed.HAS_W:
-            fields["w"] = w
-        if flags & _fixed.HAS_X:
-            fields["x"] = x
-        if flags & _fixed.HAS_Z:
-            fields["z"] = z
+        fields = _fixed.fields_of(mode, code, r, lay, b, c, n, flags, w, x, z)
         return Packet(src, epoch, seq, kind, fields, payload, directed, reason is None)

@@ -505,13 +505,7 @@ class WireCodec:
             self._reject(reason, src)
             return None
         self.accepted += 1
-        fields = {"r": r, "m": mode, "L": lay, "b": b, "c": c, "dt": code, "n": n}
-        if flags & _fixed.HAS_W:
-            fields["w"] = w
-        if flags & _fixed.HAS_X:
-            fields["x"] = x
-        if flags & _fixed.HAS_Z:
-            fields["z"] = z
+        fields = _fixed.fields_of(mode, code, r, lay, b, c, n, flags, w, x, z)
         pkt = Packet(src, epoch, seq, kind, fields, payload, directed, reason is None)
         self._fast.learn(head, pkt)  # this sender's next packets take the fast path
         return pkt

@@ -81,77 +81,52 @@ def test_optimizer_trains_with_compression_under_loss(spec: Any) -> None:
             assert all(x["index_mismatch"] >= 0 for x in grads)
 
 
-@pytest.mark.timeout(120)
-def test_all_reduce_with_local_step_lossless_is_bit_identical() -> None:
+@pytest.mark.timeout(120)  # ~5 s on 2 idle cores; bounds a hang
+@pytest.mark.parametrize("adam", [False, True], ids=["sgd-then-step", "adamw-step-in-call"])
+def test_all_reduce_with_local_step_lossless_is_bit_identical(adam: bool) -> None:
     """A DDP-style loop (compressed gradient all-reduce, then a local step) from one
-    init: without loss every replica applies the same values, bit for bit."""
+    init: without loss every replica applies the same values, bit for bit.  With
+    ``all_reduce(..., step=AdamW)`` the catch-up step runs every round (each value
+    stepped as the rounds it stands for, the ages from the owners' broadcasts,
+    which every peer received)."""
 
     # the same init everywhere, made once here: torch's global RNG is shared by the
     # peers' threads, so seeding it in each body raced (replicas started apart)
     init = _task(0)[0].state_dict()
 
-    def body(rank: int, peer: gossipnet.Peer) -> tuple[torch.Tensor, float, float, float]:
+    def body(
+        rank: int, peer: gossipnet.Peer
+    ) -> tuple[torch.Tensor, float, float, list[dict[str, float]]]:
         model, _ = _task(0)
         model.load_state_dict(init)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW(params, lr=0.01) if adam else torch.optim.SGD(params, lr=0.05)
         w = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
-        spec = gossipnet.ArcTopK(density=0.1)
-        losses, ratio = [], 0.0
+        spec = gossipnet.ArcTopK(density=0.1, values="int8" if adam else "fp32")
+        losses, extras = [], []
         for step in range(STEPS):
             x = torch.randn(64, 16, generator=torch.Generator().manual_seed(step * 10 + rank))
             loss = torch.nn.functional.mse_loss(model(x), x @ w)
             losses.append(float(loss.detach()))
             opt.zero_grad()
             loss.backward()
-            rep = peer.all_reduce([p.grad for p in model.parameters()], compress=spec)
+            grads = [p.grad for p in params]
+            rep = peer.all_reduce(grads, compress=spec, step=opt if adam else None)  # type: ignore[arg-type]
             assert rep.chunks_stale == 0
-            ratio = rep.extra["compression_ratio"]
-            opt.step()
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        return flat, sum(losses[:5]), sum(losses[-5:]), ratio
+            extras.append(dict(rep.extra))
+            if not adam:
+                opt.step()
+        flat = torch.cat([p.detach().flatten() for p in params])
+        return flat, sum(losses[:5]), sum(losses[-5:]), extras
 
     out = run_peers(4, body)
-    for flat, first, last, ratio in out:
+    for flat, first, last, extras in out:
         assert torch.equal(flat, out[0][0])
         assert last < 0.5 * first
-        assert ratio > 2.0
+        assert extras[-1]["compression_ratio"] > 2.0
+        assert [x.get("catch_up", 0.0) for x in extras] == [float(adam)] * STEPS
     with pytest.raises(gossipnet.ConfigError, match="'bf16', 'fp16'"):
         gossipnet.AllReduceOptions(compress="topk")
-
-
-@pytest.mark.timeout(120)  # ~5 s on 2 idle cores; bounds a hang
-def test_all_reduce_steps_adam_with_catch_up_bit_identical() -> None:
-    """``all_reduce(..., step=AdamW)`` under ARC-Top-K: the catch-up step runs (each
-    value stepped as the rounds it stands for), every replica holds the same bits
-    (the ages come from the broadcast sets, which every peer received), and the
-    loss falls."""
-    init = _task(0)[0].state_dict()
-
-    def body(rank: int, peer: gossipnet.Peer) -> tuple[torch.Tensor, float, float, list[float]]:
-        model, _ = _task(0)
-        model.load_state_dict(init)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        w = torch.randn(16, 1, generator=torch.Generator().manual_seed(0))
-        spec = gossipnet.ArcTopK(density=0.1, values="int8")
-        losses, caught = [], []
-        for step in range(STEPS):
-            x = torch.randn(64, 16, generator=torch.Generator().manual_seed(step * 10 + rank))
-            loss = torch.nn.functional.mse_loss(model(x), x @ w)
-            losses.append(float(loss.detach()))
-            opt.zero_grad()
-            loss.backward()
-            grads = [p.grad for p in model.parameters()]
-            rep = peer.all_reduce(grads, compress=spec, step=opt)  # type: ignore[arg-type]
-            assert rep.chunks_stale == 0
-            caught.append(rep.extra["catch_up"])
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        return flat, sum(losses[:5]), sum(losses[-5:]), caught
-
-    out = run_peers(4, body)
-    for flat, first, last, caught in out:
-        assert torch.equal(flat, out[0][0])
-        assert last < 0.5 * first
-        assert caught == [1.0] * STEPS
 
 
 @pytest.mark.timeout(120)  # ~5 s on 2 idle cores; bounds a hang
