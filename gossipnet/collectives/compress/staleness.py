@@ -28,7 +28,7 @@ lets small but steady gradients take their turn, as Adam would give it.
 Elements never stepped have ``v = 0`` and the largest weight, so every block is
 visited.  Measured without a network, sets chosen one step early as the owners
 do (``bench/topk_sim.py --lag``, demo, density 0.1, seeds 0-2): perplexity with
-the catch-up step alone 11.0-12.0, with the weighted choice too 9.8-10.4, dense
+the catch-up step alone 11.0-11.4, with the weighted choice too 10.2-10.3, dense
 8.7-8.9.
 """
 
