@@ -40,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, emit_json
 from compression import TASKS
 
-from gossipnet.collectives.compress.staleness import MAX_AGE, block_mean
+from gossipnet.collectives.compress.staleness import MAX_AGE
+from gossipnet.collectives.compress.topk import block_indices, block_mean, sketch
 from gossipnet.demo.harness import DemoConfig, lr_at
 from gossipnet.training._catch_up import catch_up_step, selection_weights
 
@@ -54,14 +55,11 @@ def _top_blocks(
     """Element indices of the ``density`` share of blocks of largest summed energy
     (times ``weight`` per block, if given)."""
     n = srcs[0].numel()
-    nb = -(-n // BLOCK)
-    pad = nb * BLOCK - n
-    energy = sum(torch.nn.functional.pad(s.square(), (0, pad)).view(nb, BLOCK).sum(1) for s in srcs)
+    energy = sum(sketch(s, BLOCK).square() for s in srcs)
     if weight is not None:
         energy = energy * weight
     top = torch.topk(energy, max(1, round(density * n / BLOCK))).indices  # type: ignore[arg-type]
-    idx = (top[:, None] * BLOCK + torch.arange(BLOCK)).flatten()
-    return idx[idx < n]
+    return block_indices(top, BLOCK, n)
 
 
 class _Shared:

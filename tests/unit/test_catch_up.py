@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gossipnet.collectives.compress.staleness import MAX_AGE, STALE, Staleness, block_mean
+from gossipnet.collectives.compress.staleness import MAX_AGE, STALE, Staleness
+from gossipnet.collectives.compress.topk import block_mean
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._catch_up import catch_up_step, supports
 

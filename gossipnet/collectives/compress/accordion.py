@@ -14,14 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ("AccordionState", "critical", "critical_layers", "layer_norms")
-
-
-def critical(prev: float | None, cur: float, threshold: float) -> bool:
-    """Whether a layer whose interval norm went ``prev -> cur`` is in a critical regime."""
-    if prev is None or prev <= 0:
-        return True
-    return abs(prev - cur) / prev >= threshold
+__all__ = ("AccordionState", "critical_layers", "layer_norms")
 
 
 class AccordionState:
@@ -57,11 +50,6 @@ class AccordionState:
         if crit is None:
             return None
         return self._starts.get(b, torch.zeros(1, dtype=torch.int64)), crit
-
-    def critical_now(self, b: int) -> bool:
-        """Whether any layer of bucket ``b`` is critical (all are until a first interval ends)."""
-        crit = self.is_critical.get(b)
-        return crit is None or bool(crit.any())
 
     def critical_share(self, b: int, n: int) -> float:
         """The share of bucket ``b``'s ``n`` elements in critical layers."""
@@ -106,6 +94,7 @@ def layer_norms(x: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
 
 
 def critical_layers(prev: torch.Tensor, cur: torch.Tensor, threshold: float) -> torch.Tensor:
-    """:func:`critical` per layer (a layer with no previous norm is critical)."""
+    """Per layer whose interval norm went ``prev -> cur``: ``|prev - cur| / prev >=
+    threshold`` is a critical regime (a layer with no previous norm is critical)."""
     safe = torch.where(prev > 0, prev, torch.ones_like(prev))
     return (prev <= 0) | ((prev - cur).abs() / safe >= threshold)

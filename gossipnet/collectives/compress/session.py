@@ -196,7 +196,7 @@ class CompressSession(SessionState):
         (ARC-Top-K: the optimizer's ``1 / v``); ``everywhere``: every peer has the
         same weights for the whole bucket (see :meth:`.staleness.Staleness.set_weights`).
         Ignored when not tracked."""
-        if self.stale is not None and self.family == "topk":
+        if self.stale is not None:
             self.stale.set_weights(b, start, weights, everywhere)
 
     def sent(self, frames: list[Any], copies: int, dense_payload: int) -> None:

@@ -83,6 +83,7 @@ def compress_own(sess: CompressSession, rnd: Any) -> None:
         if not len(owned):
             continue
         start = plan.chunk(owned.start)[0]
+        span = len(rnd.maps[b].owned_range(rnd.me))
         for c in owned:
             off, n = plan.chunk(c)
             u_c, e_c = sess.u[b][off : off + n], sess.e[b][off : off + n]
@@ -91,8 +92,7 @@ def compress_own(sess: CompressSession, rnd: Any) -> None:
             else:
                 idx = dct.select(u_c, sess.theta[b], budget.dct_cap(sess, n))
             acc = red.acc[off - start : off - start + n]
-            if sess.stale is not None and sess.family == "topk":
-                span = len(rnd.maps[b].owned_range(rnd.me))
+            if sess.stale is not None:  # ARC-Top-K's agreed sets only (.state)
                 sess.stale.own(b, start, span, idx + off, sess.rounds)
             acc.zero_()
             if w > 0:
@@ -156,7 +156,7 @@ def _send(
     """The coded values of ``u`` at ``idx`` (chunk-relative) for ``owner``: they leave
     ``e`` as ``pending`` (what the owner will decode); ``e`` keeps the rounding error."""
     at = idx + off
-    if sess.stale is not None and sess.family == "topk":
+    if sess.stale is not None:
         sess.stale.mark(b, at, sess.rounds)
     vals = sess.u[b][at]
     parts, decoded = code_values(vals, sess.values)

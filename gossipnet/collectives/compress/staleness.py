@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ("MAX_AGE", "STALE", "Staleness", "block_mean")
+from gossipnet.collectives.compress import topk
+
+__all__ = ("MAX_AGE", "STALE", "Staleness")
 
 #: The age of an element whose chunk's broadcast did not arrive (it holds our own
 #: value: the optimizer steps it as one round's gradient, as a dense round would).
@@ -144,16 +146,4 @@ class Staleness:
         start, w = held
         if off < start or off + n > start + w.numel():
             return None
-        return block_mean(w[off - start : off - start + n], block)
-
-
-def block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Mean of ``x`` over each block of ``block`` elements (the last may be short)."""
-    n = x.numel()
-    m = -(-n // block)
-    pad = m * block - n
-    sums = torch.nn.functional.pad(x, (0, pad)).view(m, block).sum(1)
-    counts = torch.full((m,), float(block))
-    if pad:
-        counts[-1] = block - pad
-    return sums / counts
+        return topk.block_mean(w[off - start : off - start + n], block)

@@ -77,7 +77,8 @@ class SessionState:
         self.refresh_every = sparse_spec.refresh_every if isinstance(sparse_spec, DCT) else 1
         # how the sparse families' values travel (.quant.code_values)
         self.values = sparse_spec.values if sparse_spec is not None else "fp32"
-        # ages of the values and the owner's selection weights (.staleness), when on
+        # ages of the values and the owner's selection weights (.staleness): ARC-Top-K
+        # only (its sets agree across peers, so a value's age does; DCT's do not)
         self.catch_up = isinstance(sparse_spec, ArcTopK) and sparse_spec.catch_up
         self.stale: Staleness | None = None
         self.want_applied = False  # whole-bucket ages too (all_reduce(step=...))

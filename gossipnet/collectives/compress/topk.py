@@ -17,6 +17,8 @@ import torch
 
 __all__ = (
     "block_count",
+    "block_mean",
+    "block_sums",
     "block_indices",
     "bootstrap_blocks",
     "choose_blocks",
@@ -38,15 +40,27 @@ def nblocks_for(n: int, block: int, density: float) -> int:
     return max(1, min(m, round(density * n / block + 0.4999)))
 
 
-def sketch(x: torch.Tensor, block: int) -> torch.Tensor:
-    """Per-block L2 norms of ``x`` (float32, one per block)."""
+def block_sums(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The sum of ``x`` over each block of ``block`` elements (the last may be short)."""
     n = x.numel()
     m = block_count(n, block)
     pad = m * block - n
-    sq = x.to(torch.float32).square()
     if pad:
-        sq = torch.nn.functional.pad(sq, (0, pad))
-    return sq.view(m, block).sum(dim=1).sqrt_()
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.view(m, block).sum(dim=1)
+
+
+def sketch(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per-block L2 norms of ``x`` (float32, one per block)."""
+    return block_sums(x.to(torch.float32).square(), block).sqrt_()
+
+
+def block_mean(x: torch.Tensor, block: int) -> torch.Tensor:
+    """The mean of ``x`` over each block (the last, if short, over its own elements)."""
+    counts = torch.full((block_count(x.numel(), block),), float(block))
+    if x.numel() % block:
+        counts[-1] = x.numel() % block
+    return block_sums(x, block) / counts
 
 
 def choose_blocks(energy: torch.Tensor, k: int) -> torch.Tensor:
