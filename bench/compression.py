@@ -15,9 +15,11 @@ summed over peers, divided by the steps.
 
 Rows: ``dense``, ``bf16``, ``int8``, ``arctopk`` (density ``--density``),
 ``dct`` (same density), ``accordion`` (ArcTopK, low 10x the density, high the
-density) and the static ArcTopK settings Accordion is compared with
-(``arctopk@d`` for d in the low and middle densities).  The rows that decide a
-target (``dense``, ``arctopk``, ``accordion``, ``arctopk@d``) run ``--seeds`` seeds
+density, 10 rounds per interval; ``accordion@LOW/HIGH/INTERVAL`` sets all three)
+and the static ArcTopK settings Accordion is compared with (``arctopk@d``; by
+default the low and middle densities).  Accordion and its static peers run at
+0% loss only.  The rows that decide a target (``dense``, ``arctopk``,
+``accordion*``, ``arctopk@d``) run ``--seeds`` seeds
 (default 3) and report the median and spread; the others one.  A ``-plain``
 suffix (``arctopk-plain``) runs ArcTopK with ``catch_up=False``: stock AdamW on
 the sparse sums.  Every row steps AdamW through ``net.all_reduce(..., step=opt)``.
@@ -30,6 +32,11 @@ step / ARC-Top-K bytes per step, demo task, 0% loss), ``rel_quality_10pct``
 (ARC-Top-K at 10% loss / dense at 0%, demo perplexity, seed medians),
 ``accordion_bytes_ratio`` (bytes of the cheapest static ArcTopK setting whose
 final quality is within 1% of Accordion's, / Accordion's bytes; null if none),
+``accordion_bytes_ratio_interp`` (the static bytes at exactly Accordion's
+quality, interpolated between the static rows around it, / Accordion's bytes: a
+coarse grid of static rows cannot inflate it), both for the first Accordion row
+(``accordion_row``; every Accordion row's in ``accordion_ratios``), Accordion
+rows' mean share of the model in critical layers (``critical_share``),
 ``values`` and ``rows``.  The time-to-target part on the namespace testbed (capped links,
 gloo and DDP+PowerSGD baselines) is ``--testbed`` (``_compression_testbed.py``).
 
@@ -37,10 +44,13 @@ gloo and DDP+PowerSGD baselines) is ``--testbed`` (``_compression_testbed.py``).
     .venv/bin/python bench/compression.py                # both tasks, longer runs
     .venv/bin/python bench/compression.py --rows dense arctopk --losses 0.1 --seeds 5
     .venv/bin/python bench/compression.py --quick --rows dense arctopk --values int8
+    .venv/bin/python bench/compression.py --tasks demo --losses 0 --seeds 5 --values int8 \
+        --rows accordion@0.1/0.015/20 arctopk@0.04 arctopk@0.05 arctopk@0.06 arctopk@0.07
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import sys
@@ -118,11 +128,17 @@ def compressor(
         return gossipnet.ArcTopK(density=d, block=block, eta=eta, values=values, catch_up=catch_up)
     if row == "dct":
         return gossipnet.DCT(density=density, refresh_every=50, values=values)
-    if row == "accordion":
+    if row == "accordion" or row.startswith("accordion@"):
+        # accordion@LOW/HIGH[/INTERVAL]; plain: low 10x the density, high the density
+        lo_d, hi_d, every = min(1.0, 10 * density), density, 10
+        if "@" in row:
+            parts = row.split("@", 1)[1].split("/")
+            lo_d, hi_d = float(parts[0]), float(parts[1])
+            every = int(parts[2]) if len(parts) > 2 else every
         kw = {"block": block, "eta": eta, "values": values, "catch_up": catch_up}
-        low = gossipnet.ArcTopK(density=min(1.0, 10 * density), **kw)
-        high = gossipnet.ArcTopK(density=density, **kw)
-        return gossipnet.Accordion(low=low, high=high, interval=10)
+        low = gossipnet.ArcTopK(density=lo_d, **kw)
+        high = gossipnet.ArcTopK(density=hi_d, **kw)
+        return gossipnet.Accordion(low=low, high=high, interval=every)
     raise SystemExit(f"unknown row {row!r}")
 
 
@@ -204,6 +220,7 @@ def run_setting(s: Setting) -> Result:
         params = [p for p in model.parameters() if p.requires_grad]
         sent0 = net.stats()["transport"]["sent_bytes"]
         ratios: list[float] = []
+        critical: list[float] = []
         for step in range(s.steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(warm, step)
@@ -212,8 +229,13 @@ def run_setting(s: Setting) -> Result:
             # step=opt: Adam's catch-up step on the sparse sums (README, compression)
             rep = net.all_reduce([p.grad for p in params], compress=spec, step=opt)  # type: ignore[misc]
             ratios.append(rep.extra.get("compression_ratio", 1.0))
+            if "accordion_critical" in rep.extra:
+                critical.append(rep.extra["accordion_critical"])
         sent = net.stats()["transport"]["sent_bytes"] - sent0
-        return quality(), sent, {"compression_ratio": statistics.median(ratios)}
+        extra = {"compression_ratio": statistics.median(ratios)}
+        if critical:  # Accordion: the share of the model in critical layers, mean over rounds
+            extra["critical"] = statistics.fmean(critical)
+        return quality(), sent, extra
 
     t0, c0 = time.perf_counter(), time.process_time()
     faults = gossipnet.FaultPlan(loss=s.loss, seed=s.seed) if s.loss else None
@@ -223,6 +245,8 @@ def run_setting(s: Setting) -> Result:
     quality = statistics.fmean(o[0] for o in out)
     per_step = sum(o[1] for o in out) / s.steps
     extra = {"compression_ratio": statistics.median(o[2]["compression_ratio"] for o in out)}
+    if all("critical" in o[2] for o in out):
+        extra["critical"] = statistics.fmean(o[2]["critical"] for o in out)
     return Result(s, quality, per_step, wall, cpu, extra)
 
 
@@ -252,6 +276,10 @@ def summarise(results: list[Result], density: float, values: str = "fp32") -> di
             "wall_s": statistics.median(r.wall_s for r in rs),
             "cpu_s": statistics.median(r.cpu_s for r in rs),
         }
+        if all("critical" in r.extra for r in rs):
+            rows[f"{task}/{row}/{loss:g}"]["critical_share"] = statistics.median(
+                r.extra["critical"] for r in rs
+            )
 
     def get(task: str, row: str, loss: float, key: str) -> float | None:
         hit = rows.get(f"{task}/{row}/{loss:g}")
@@ -272,23 +300,52 @@ def summarise(results: list[Result], density: float, values: str = "fp32") -> di
         "rel_quality_10pct": topk_q / dense_q if dense_q and topk_q else None,
         "accordion_bytes_ratio": None,
     }
-    acc_q, acc_b = (
-        get(task, "accordion", 0.0, "quality_median"),
-        get(task, "accordion", 0.0, "bytes_per_step"),
-    )
-    if acc_q is not None and acc_b:
-        static = [k for k in rows if k.startswith(f"{task}/arctopk") and k.endswith("/0")]
-        equal = [
-            (float(rows[k]["bytes_per_step"]), k)
-            for k in static
-            if rows[k]["quality_median"] <= acc_q * 1.01
-        ]
-        if equal:
-            out["accordion_bytes_ratio"] = min(equal)[0] / acc_b
-            out["accordion_vs"] = min(equal)[1]
+    ratios = accordion_ratios(rows, task)
+    if ratios:
+        first = next(iter(ratios))  # the first Accordion row run is the headline
+        out["accordion_bytes_ratio"] = ratios[first]["ratio"]
+        out["accordion_vs"] = ratios[first]["vs"]
+        out["accordion_bytes_ratio_interp"] = ratios[first]["ratio_interp"]
+        out["accordion_row"] = first
+        out["accordion_ratios"] = ratios
     out["rows"] = rows
     out["density"] = density
     out["values"] = values
+    return out
+
+
+def accordion_ratios(rows: dict[str, dict[str, Any]], task: str) -> dict[str, dict[str, Any]]:
+    """Per Accordion row (0% loss), against the static ArcTopK rows of the same run:
+
+    - ``ratio``: bytes of the cheapest static row whose median quality is within
+      1% of Accordion's (or better), / Accordion's bytes; ``vs``: that row (None
+      where no static row is that good);
+    - ``ratio_interp``: the static bytes at exactly Accordion's quality,
+      interpolated (log bytes, linear in quality) between the two static rows
+      around it, / Accordion's bytes: the figure that does not depend on how fine
+      the static grid is (None outside the static rows' range).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    static = sorted(
+        (float(rows[k]["bytes_per_step"]), float(rows[k]["quality_median"]), k)
+        for k in rows
+        if k.startswith(f"{task}/arctopk") and k.endswith("/0") and "-plain" not in k
+    )
+    for key, acc in rows.items():
+        if not (key.startswith(f"{task}/accordion") and key.endswith("/0")):
+            continue
+        row = key.split("/", 1)[1].rsplit("/", 1)[0]
+        acc_q, acc_b = float(acc["quality_median"]), float(acc["bytes_per_step"])
+        equal = [(b, k) for b, q, k in static if q <= acc_q * 1.01]
+        hit: dict[str, Any] = {"ratio": None, "vs": None, "ratio_interp": None}
+        if equal and acc_b:
+            hit["ratio"], hit["vs"] = min(equal)[0] / acc_b, min(equal)[1]
+        for (b0, q0, _), (b1, q1, _) in itertools.pairwise(static):
+            if min(q0, q1) <= acc_q <= max(q0, q1) and q0 != q1 and acc_b:
+                t = (acc_q - q0) / (q1 - q0)
+                hit["ratio_interp"] = math.exp(math.log(b0) + t * math.log(b1 / b0)) / acc_b
+                break
+        out[row] = hit
     return out
 
 
@@ -330,10 +387,10 @@ def main() -> None:
     for task in tasks:
         for row in rows:
             for loss in args.losses:
-                if (row.startswith("arctopk@") or row == "accordion") and loss:
+                if row.startswith(("arctopk@", "accordion")) and loss:
                     continue  # Accordion is compared at 0% loss
                 # every row that decides a target: --seeds (Accordion and its static peers too)
-                decides = row in ("dense", "arctopk", "accordion") or row.startswith("arctopk@")
+                decides = row in ("dense", "arctopk") or row.startswith(("arctopk@", "accordion"))
                 seeds = args.seeds if decides else 1
                 for seed in range(seeds):
                     settings.append(
@@ -356,7 +413,9 @@ def main() -> None:
         results.append(r)
         print(f"{s.task:8s} {s.row:14s} loss={s.loss:<4g} seed={s.seed} quality={r.quality:.4f}"
               f" bytes/step={r.bytes_per_step:,.0f} ratio={r.extra['compression_ratio']:.1f}"
-              f" wall={r.wall_s:.1f}s cpu={r.cpu_s:.1f}s", flush=True)  # fmt: skip
+              f" wall={r.wall_s:.1f}s cpu={r.cpu_s:.1f}s"
+              + (f" critical={r.extra['critical']:.3f}" if "critical" in r.extra else ""),
+              flush=True)  # fmt: skip
     emit_json(summarise(results, d, args.values))
 
 

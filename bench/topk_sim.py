@@ -18,10 +18,22 @@ Rows: ``<optimizer>:<density>`` with density 1 for dense and optimizer
   stands for (``gossipnet.training._catch_up``, the library's own function);
 - ``select``: catch-up, and the blocks chosen by the step they would take (block
   energy times the block's mean ``1 / v``; ``ArcTopK``'s default with Adam);
-- ``sgd``: SGD with momentum 0.9 (``--sgd-lr``) on the sparse sums.
+- ``sgd``: SGD with momentum 0.9 (``--sgd-lr``) on the sparse sums;
+- ``acc``: ``select`` under Accordion's per-layer rule (the library's
+  ``AccordionState``; density ``LOW/HIGH``, ``--acc-interval``,
+  ``--acc-threshold``, ``--acc-observe own|mean``: each decision from worker 0's
+  own gradient, as each owner decides in the library, or from the mean); prints
+  the mean density of every 10 steps.
+
+A density may be a schedule, ``0.1@30>0.01``: 0.1 before step 30, then 0.01
+(``d0@s1>d1@s2>d2`` ...): what a switch at a known step would buy, the bound an
+Accordion rule can approach.  Every row prints its mean density (bytes are
+proportional to it here).
 
     .venv/bin/python bench/topk_sim.py --task demo --lag adam:1 adam:0.1 catchup:0.1 select:0.1
     .venv/bin/python bench/topk_sim.py --task regress adam:1 adam:0.01 sgd:1 sgd:0.01
+    .venv/bin/python bench/topk_sim.py --task demo --lag select:0.03 "select:0.1@30>0.01" \
+        --acc-interval 20 acc:0.1/0.02
 
 The last stdout line is one JSON object: quality (demo perplexity, regression MSE;
 mean over workers, which hold identical models) per row.
@@ -40,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import bench_parser, emit_json
 from compression import TASKS
 
+from gossipnet.collectives.compress.accordion import AccordionState
 from gossipnet.collectives.compress.staleness import MAX_AGE
 from gossipnet.collectives.compress.topk import block_indices, block_mean, sketch
 from gossipnet.demo.harness import DemoConfig, lr_at
@@ -50,16 +63,24 @@ BLOCK = 16
 
 
 def _top_blocks(
-    srcs: list[torch.Tensor], density: float, weight: torch.Tensor | None
+    srcs: list[torch.Tensor], density: float | torch.Tensor, weight: torch.Tensor | None
 ) -> torch.Tensor:
     """Element indices of the ``density`` share of blocks of largest summed energy
-    (times ``weight`` per block, if given)."""
+    (times ``weight`` per block, if given); ``density`` per block: the top share of
+    each group of blocks of one density (Accordion's layers)."""
     n = srcs[0].numel()
     energy = sum(sketch(s, BLOCK).square() for s in srcs)
     if weight is not None:
         energy = energy * weight
-    top = torch.topk(energy, max(1, round(density * n / BLOCK))).indices  # type: ignore[arg-type]
-    return block_indices(top, BLOCK, n)
+    if not isinstance(density, torch.Tensor):
+        top = torch.topk(energy, max(1, round(density * n / BLOCK))).indices  # type: ignore[arg-type]
+        return block_indices(top, BLOCK, n)
+    parts = []
+    for d in torch.unique(density):
+        ids = torch.nonzero(density == d).flatten()
+        k = max(1, round(float(d) * ids.numel()))
+        parts.append(ids[torch.topk(energy[ids], k).indices])  # type: ignore[index]
+    return block_indices(torch.sort(torch.cat(parts)).values, BLOCK, n)
 
 
 class _Shared:
@@ -105,9 +126,29 @@ class _Shared:
         return block_mean(torch.cat([w.flatten() for w in parts if w is not None]), BLOCK)
 
 
+def schedule(spec: str) -> list[tuple[int, float]]:
+    """``0.1@30>0.01``: density 0.1 before step 30, then 0.01 (``d0@s1>d1@s2>d2`` ...)."""
+    out: list[tuple[int, float]] = []
+    for part in spec.split(">"):
+        d, _, until = part.partition("@")
+        out.append((int(until) if until else 1 << 30, float(d)))
+    return out
+
+
+def density_at(plan: list[tuple[int, float]], step: int) -> float:
+    return next(d for until, d in plan if step < until)
+
+
 def run(
-    task: str, name: str, density: float, steps: int, seed: int, sgd_lr: float, lag: bool
-) -> float:
+    task: str,
+    name: str,
+    density: str,
+    steps: int,
+    seed: int,
+    sgd_lr: float,
+    lag: bool,
+    acc_args: Any = None,
+) -> tuple[float, float]:
     """Train one row; the final quality."""
     make = TASKS[task](seed, steps)
     workers = [make(r, seed) for r in range(WORKERS)]
@@ -122,10 +163,22 @@ def run(
         if name == "sgd"
         else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     )
-    shared = _Shared(params, opt, catch_up=name in ("catchup", "select"))
+    shared = _Shared(params, opt, catch_up=name in ("catchup", "select", "acc"))
     errors = [torch.zeros(shared.n) for _ in range(WORKERS)]
     ahead: torch.Tensor | None = None  # --lag: the set chosen one step early
+    acc = _accordion(name, density, params, acc_args)
+    plan = schedule(density) if acc is None else []
+    sent_total = 0.0
+    trace: list[float] = []
     for step in range(steps):
+        if acc is None:
+            d_now: float | torch.Tensor = density_at(plan, step)
+            d_next: float | torch.Tensor = density_at(plan, step + 1)
+        else:
+            d_now = acc.densities()
+        mean_now = float(d_now.mean()) if isinstance(d_now, torch.Tensor) else d_now
+        sent_total += mean_now
+        trace.append(mean_now)
         grads = []
         for w, (m, batch_loss, _) in enumerate(workers):
             if w:
@@ -133,13 +186,16 @@ def run(
             m.zero_grad()
             batch_loss().backward()
             grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))  # type: ignore[union-attr]
-        weight = shared.block_weights() if name == "select" else None
-        if density >= 1:
+        weight = shared.block_weights() if name in ("select", "acc") else None
+        if acc is not None:
+            acc.observe(grads)
+            d_next = acc.densities()
+        if not isinstance(d_now, torch.Tensor) and d_now >= 1:
             idx = torch.arange(shared.n)
             g = torch.stack(grads).mean(0)
         else:
             srcs = [e + gr for e, gr in zip(errors, grads, strict=True)]
-            idx = ahead if lag and ahead is not None else _top_blocks(srcs, density, weight)
+            idx = ahead if lag and ahead is not None else _top_blocks(srcs, d_now, weight)
             g = torch.zeros(shared.n)
             for w, src in enumerate(srcs):
                 sent = torch.zeros(shared.n)
@@ -148,14 +204,52 @@ def run(
                 g += sent / WORKERS
             if lag:  # the library's owners: from the residuals and this step's gradients
                 ahead = _top_blocks(
-                    [e + gr for e, gr in zip(errors, grads, strict=True)], density, weight
+                    [e + gr for e, gr in zip(errors, grads, strict=True)], d_next, weight
                 )
         for group in opt.param_groups:
             group["lr"] = lr_at(warm, step)
         shared.step(g, idx, step)
     for m, _, _ in workers[1:]:
         m.load_state_dict(model.state_dict())
-    return float(sum(q() for _, _, q in workers) / WORKERS)
+    if acc is not None:
+        print(
+            "  density per 10 steps:",
+            " ".join(f"{sum(trace[i : i + 10]) / 10:.3f}" for i in range(0, steps, 10)),
+        )
+    return float(sum(q() for _, _, q in workers) / WORKERS), sent_total / steps
+
+
+class _Acc:
+    """Accordion's per-layer rule (the library's ``AccordionState``) over the sim's
+    one flat vector: per block, the density its layer's decision puts in force."""
+
+    def __init__(self, low: float, high: float, params: list[torch.Tensor], args: Any) -> None:
+        self.low, self.high, self.observe_mean = low, high, args.acc_observe == "mean"
+        self.state = AccordionState(args.acc_interval, args.acc_threshold)
+        sizes = [p.numel() for p in params]
+        starts = torch.tensor([0, *sizes[:-1]], dtype=torch.int64).cumsum(0)
+        self.state.set_segments(0, starts)
+        self.n = sum(sizes)
+        first = torch.arange(-(-self.n // BLOCK), dtype=torch.int64) * BLOCK
+        self.layer = torch.searchsorted(starts, first, right=True) - 1
+
+    def observe(self, grads: list[torch.Tensor]) -> None:
+        g = torch.stack(grads).mean(0) if self.observe_mean else grads[0]
+        self.state.observe(0, g)
+
+    def densities(self) -> torch.Tensor:
+        held = self.state.layers(0)
+        if held is None:
+            return torch.full((self.layer.numel(),), self.low)
+        crit = held[1]
+        return torch.where(crit[self.layer], self.low, self.high)
+
+
+def _accordion(name: str, density: str, params: list[torch.Tensor], args: Any) -> _Acc | None:
+    if name != "acc":
+        return None
+    low, high = (float(x) for x in density.split("/"))
+    return _Acc(low, high, params, args)
 
 
 def main() -> None:
@@ -166,16 +260,21 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sgd-lr", type=float, default=0.01)
     parser.add_argument("--lag", action="store_true", help="choose each set one step early")
+    parser.add_argument("--acc-interval", type=int, default=10)
+    parser.add_argument("--acc-threshold", type=float, default=0.5)
+    parser.add_argument("--acc-observe", choices=("own", "mean"), default="own")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = 60 if args.quick else args.steps
     out: dict[str, float] = {}
     for row in args.rows:
         name, density = row.split(":")
-        if name not in ("adam", "catchup", "select", "sgd"):
+        if name not in ("adam", "catchup", "select", "sgd", "acc"):
             raise SystemExit(f"unknown optimizer {name!r} in row {row!r}")
-        out[row] = run(args.task, name, float(density), steps, args.seed, args.sgd_lr, args.lag)
-        print(f"{row:14s} quality {out[row]:.4f}", flush=True)
+        out[row], mean_d = run(
+            args.task, name, density, steps, args.seed, args.sgd_lr, args.lag, args
+        )
+        print(f"{row:24s} quality {out[row]:.4f} mean density {mean_d:.4f}", flush=True)
     emit_json(
         {"task": args.task, "steps": steps, "seed": args.seed, "lag": args.lag, "quality": out}
     )

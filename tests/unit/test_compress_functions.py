@@ -94,6 +94,30 @@ def test_value_codec_round_trip(codec: str) -> None:
     assert torch.equal(zero_dec, torch.zeros(16))  # int8: scale 0 decodes to zeros
 
 
+def test_int8_values_keep_small_groups_fine() -> None:
+    """One packet carries blocks of layers whose gradients differ by orders of
+    magnitude: each group of 16 values gets a power-of-two step of its own, so a
+    group 10^4 times smaller than the largest keeps ~2 significant digits instead
+    of rounding to zero (one scale per packet), for 1 byte per 16 values."""
+    gen = torch.Generator().manual_seed(7)
+    big = torch.randn(16, generator=gen)
+    small = torch.randn(16, generator=gen) * 1e-4
+    x = torch.cat([big, small, torch.zeros(16), small[:5]])  # 53 values: 4 groups
+    scale, shifts, q = quant.quantize_grouped_int8(x)
+    assert shifts.dtype == torch.uint8
+    assert shifts.numel() == quant.group_count(53) == 4
+    assert int(shifts[0]) == 0
+    assert int(shifts[1]) >= 12
+    dec = quant.dequantize_grouped_int8(scale, shifts, q)
+    steps = (scale * torch.exp2(-shifts.float())).repeat_interleave(16)[:53]
+    assert torch.all((dec - x).abs() <= steps / 2 * (1 + 1e-6))  # half a step, per group
+    rel = ((dec[16:32] - small) / small.abs().max()).abs().max()
+    assert float(rel) < 1 / 100
+    _, one_scale = quant.quantize_int8(x)  # what one scale per packet would do
+    assert int((one_scale[16:32] != 0).sum()) == 0  # every small value rounded to 0
+    assert torch.equal(dec[32:48], torch.zeros(16))
+
+
 def test_value_codec_non_finite_is_refused() -> None:
     scale_nan = struct.pack("<f", float("nan")) + bytes(4)
     bf16_inf = struct.pack("<H", 0x7F80)

@@ -1,6 +1,7 @@
-"""bench/compression.py --testbed's arithmetic: /proc/net/dev parsing, time to target,
+"""bench/compression.py's arithmetic: /proc/net/dev parsing, time to target,
 the stop rule and the speedup bounds (bench/_compression_testbed.py,
-bench/_compression_tb_worker.py), and the bench's ``--help``.
+bench/_compression_tb_worker.py), the bench's ``--help``, Accordion's comparison
+with the static settings, and bench/topk_sim.py's density schedules.
 
 The timing run itself needs root and minutes on the namespace testbed; what turns
 its measurements into figures does not, so it is checked here on made-up numbers.
@@ -156,3 +157,57 @@ def test_summary_headline_keys_are_theirs_over_arctopk_at_20_mbit_1pct(tb: Modul
     assert out["speedup_vs_gloo_capped_1pct"] == pytest.approx(6.0)
     assert out["speedup_vs_powersgd_capped_1pct"] == pytest.approx(2.5)
     assert out["by_method_capped_1pct"]["gn_dct"]["vs_gloo"]["value"] == pytest.approx(12.0)
+
+
+@pytest.fixture(scope="module")
+def quality_bench() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import compression
+
+        return compression
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _row(q: float, b: float) -> dict[str, float]:
+    return {"quality_median": q, "bytes_per_step": b}
+
+
+def test_accordion_ratio_by_the_grid_rule_and_interpolated(quality_bench: ModuleType) -> None:
+    """The grid rule takes the cheapest static row within 1% of Accordion's quality;
+    the interpolated figure finds the static bytes at exactly Accordion's quality
+    (log bytes, linear in quality), so a coarse grid cannot inflate it."""
+    rows = {
+        "demo/arctopk@0.04/0": _row(14.0, 50_000.0),
+        "demo/arctopk@0.05/0": _row(13.0, 64_000.0),
+        "demo/arctopk@0.06/0": _row(12.0, 80_000.0),
+        "demo/arctopk-plain/0": _row(11.0, 10_000.0),  # stock AdamW: not a static peer
+        "demo/accordion@0.1/0.015/20/0": _row(12.5, 50_000.0),
+        "demo/dense/0": _row(10.0, 1e6),
+    }
+    out = quality_bench.accordion_ratios(rows, "demo")
+    hit = out["accordion@0.1/0.015/20"]
+    assert hit["vs"] == "demo/arctopk@0.06/0"  # 13.0 is more than 1% worse than 12.5
+    assert hit["ratio"] == pytest.approx(80_000 / 50_000)
+    halfway = (64_000 * 80_000) ** 0.5  # quality 12.5 is halfway from 13 to 12
+    assert hit["ratio_interp"] == pytest.approx(halfway / 50_000)
+    # better than every static row: no equal static setting, no interpolation
+    rows["demo/accordion/0"] = _row(11.5, 40_000.0)
+    assert quality_bench.accordion_ratios(rows, "demo")["accordion"] == {
+        "ratio": None, "vs": None, "ratio_interp": None,
+    }  # fmt: skip
+
+
+def test_topk_sim_density_schedules() -> None:
+    """``0.1@30>0.01``: 0.1 before step 30, then 0.01; a plain density holds throughout."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import topk_sim
+    finally:
+        sys.path.remove(str(BENCH))
+    plan = topk_sim.schedule("0.1@30>0.02@200>0.05")
+    assert [topk_sim.density_at(plan, s) for s in (0, 29, 30, 199, 200, 10**6)] == [
+        0.1, 0.1, 0.02, 0.02, 0.05, 0.05,
+    ]  # fmt: skip
+    assert topk_sim.density_at(topk_sim.schedule("0.03"), 299) == 0.03

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gossipnet.collectives.compress import topk
-from gossipnet.collectives.compress.quant import VALUE_BYTES, coded_bytes
+from gossipnet.collectives.compress.quant import GROUP, VALUE_BYTES, coded_bytes
 from gossipnet.collectives.compress.state import SessionState
 
 __all__ = ("chunk_elems", "dct_cap", "next_size", "proposals")
@@ -33,7 +33,7 @@ def chunk_elems(sess: SessionState, base: int, participants: int) -> int:
     broadcast together.
     """
     n = max(1, participants)
-    vb = VALUE_BYTES[sess.values]
+    vb = VALUE_BYTES[sess.values] + (1 / GROUP if sess.values == "int8" else 0)
     room = base - 64 - 2 * math.ceil(n / 8) - coded_bytes(sess.values, 0)
     if sess.family == "topk":
         d, blk = 3 * sess.max_density(), sess.block
@@ -114,5 +114,6 @@ def next_size(sess: SessionState, rnd: Any, b: int, off: int, n: int) -> int:
     m = topk.block_count(n, blk)
     nparts = len(rnd.participants)
     room = sess.base_chunk - 64 - 2 * m - 2 * math.ceil(nparts / 8) - coded_bytes(sess.values, 0)
-    cap = room // (VALUE_BYTES[sess.values] * blk + 9)  # values, two set ids, an age per block
+    # values (int8: a shift per GROUP of them), two set ids, an age per block
+    cap = room // (coded_bytes(sess.values, blk) - coded_bytes(sess.values, 0) + 9)
     return max(1, min(share, cap, m))

@@ -14,14 +14,15 @@ sections in order:
 ``TOPK_AG`` ``<QQHIIIBB`` next tag, previous round, participants, current set blocks,
             next set blocks, values, value kind (0 at the current set, 1 dense),
             value codec; contributor bitmaps (this round, the previous), u32
-            current set, u32 next set, values.
+            current set, u32 next set, u8 age per current block, values.
 ``DCT_RS``  ``<IB`` entries, value codec; u32 indices; values.
 ``DCT_AG``  ``<QHIBB`` previous round, participants, entries, value kind (0 sparse,
             1 dense), value codec; two contributor bitmaps; [u32 indices]; values.
 
 The sparse kinds' values are coded as the value codec says
 (:data:`~gossipnet.collectives.compress.quant.CODEC_IDS`: 0 f32, 1 bf16,
-2 int8 = an f32 scale then one int8 per value); dense values (kind 1, parameters)
+2 int8 = an f32 scale, a u8 shift per 16 values (each group's step is
+``scale * 2**-shift``), then one int8 per value); dense values (kind 1, parameters)
 are always f32 and their codec byte names the sender's setting.  A receiver
 whose own setting differs drops the packet (``compressed_kind``).
 
@@ -40,7 +41,11 @@ from dataclasses import dataclass
 import torch
 
 from gossipnet.collectives.chunks import all_finite, as_bytes, from_bytes
-from gossipnet.collectives.compress.quant import dequantize_int8, from_half
+from gossipnet.collectives.compress.quant import (
+    dequantize_grouped_int8,
+    from_half,
+    group_count,
+)
 
 __all__ = ("NONE", "Bad", "Z", "bitmap", "in_bitmap", "join", "Reader")
 
@@ -121,7 +126,8 @@ class Reader:
             scale = self.tensor(torch.float32, 1)
             if not all_finite(scale):
                 raise Bad("non_finite")
-            v = dequantize_int8(scale[0], self.tensor(torch.int8, count))
+            shifts = self.tensor(torch.uint8, group_count(count))
+            v = dequantize_grouped_int8(scale[0], shifts, self.tensor(torch.int8, count))
         if not all_finite(v):
             raise Bad("non_finite")
         return v

@@ -30,13 +30,14 @@ owner's ages.  The owner's choice of the next set weights the block energies by
 the optimizer's ``1 / v`` where it has it.
 
 Value codecs (``values=``, :func:`.quant.code_values`): a contribution's values
-travel rounded (bf16, or int8 with one scale per packet); the sender keeps the
+travel rounded (bf16, or int8 with one scale per packet and a step per 16
+values, :func:`.quant.quantize_grouped_int8`); the sender keeps the
 rounding error in ``e`` (``e <- u - decoded`` at the set) and its ``pending``
 entry holds the *decoded* values, what the owner adds, so the ledger's
 conservation holds exactly (an owner's own share of its chunks takes no packet
 and goes unrounded).  The owner's broadcast of the averages is rounded
-once more and not error-fed (int8: at most 1/254 of the packet's largest
-magnitude per value); the owner applies the decoded values itself, so every
+once more and not error-fed (int8: at most half the step of the value's
+group); the owner applies the decoded values itself, so every
 replica holds the same bits.  Parameters (the optimizer's broadcast) go float32.
 """
 

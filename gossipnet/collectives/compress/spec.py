@@ -77,17 +77,19 @@ class ArcTopK:
         eta: EF21M momentum of the error feedback, in (0, 1]: ``v <- (1-eta) v + eta g``;
             1 is plain error feedback (use it when the base optimizer has momentum).
         values: how the values travel: ``"fp32"``, ``"bf16"`` (2 bytes each) or
-            ``"int8"`` (1 byte each and one float32 scale per packet). The
-            contributions' rounding error stays in the error feedback; the owner's
-            broadcast of the averages is rounded once, not error-fed (int8: at most
-            1/254 of the packet's largest magnitude); parameters go float32.
-        catch_up: with an Adam or AdamW base optimizer (``net.optimizer``), step
+            ``"int8"`` (1 byte each, one float32 scale per packet and a
+            power-of-two step per 16 values, :func:`.quant.quantize_grouped_int8`).
+            The contributions' rounding error stays in the error feedback; the
+            owner's broadcast of the averages is rounded once, not error-fed (int8:
+            at most half the step of the value's group); parameters go float32.
+        catch_up: with an Adam or AdamW base optimizer (``net.optimizer``, or
+            ``net.all_reduce(..., step=opt)``), step
             each element as the rounds its value stands for (error feedback sends
             the sum of the rounds since it last left) and choose the next set by
             the step each block would take (block energy over Adam's ``v``).
             Without it AdamW moves rarely sent elements about ``sqrt(k)`` times
             too little (``gossipnet.collectives.compress.staleness``).  No effect
-            on other optimizers or on ``all_reduce``.
+            on other optimizers or on an ``all_reduce`` without ``step=``.
     """
 
     density: float = 0.01
