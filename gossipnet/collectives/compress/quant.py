@@ -113,7 +113,11 @@ def quantize_grouped_int8(
     amax = gmax.max() if n else x.new_zeros(())
     scale = (amax / 127.0).reshape(())
     ratio = torch.where(gmax > 0, amax / gmax.clamp(min=torch.finfo(torch.float32).tiny), 1.0)
-    shifts = torch.floor(torch.log2(ratio)).clamp_(0, MAX_SHIFT).to(torch.uint8)
+    shifts = torch.floor(torch.log2(ratio)).clamp_(0, MAX_SHIFT)
+    # log2 of a rounded ratio can land just above an integer: never let a group's
+    # largest value outgrow its step's range (it would clamp at 127)
+    shifts -= (torch.ldexp(gmax, shifts.to(torch.int32)) > amax).to(shifts.dtype)
+    shifts = shifts.clamp_(0, MAX_SHIFT).to(torch.uint8)
     steps = _group_steps(scale, shifts, n)
     safe = torch.where(steps > 0, steps, torch.ones_like(steps))
     q = torch.round(x / safe).clamp_(-127, 127).to(torch.int8)
