@@ -250,6 +250,7 @@ class ZmqTransport(Transport):
             self._streams.close()
         if self._inbox is not None:
             self._inbox.close()
+        self._streams = self._inbox = None  # sends now fail as on the ZeroMQ path
         for inbox in (self._pull, self._local):
             if inbox is not None:
                 inbox.close(linger=0)

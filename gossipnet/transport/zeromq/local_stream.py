@@ -236,7 +236,12 @@ class _Reader:
                 self.inbox.deliver(out)
 
     def _read_once(self, out: list[list[memoryview]]) -> bool:
-        """One ``recv_into``; False when the socket is empty or closed."""
+        """One ``recv_into``; False when the socket is (probably) empty or closed.
+
+        A read that did not fill its target emptied the socket: trying again at
+        once would only fail with ``EAGAIN``; the level-triggered reader calls
+        again when more has arrived.
+        """
         body = self.body
         target = body[self.filled :] if body is not None else self.view[self.end :]
         try:
@@ -249,14 +254,15 @@ class _Reader:
         if n == 0:
             self.inbox.close_reader(self, "peer closed", partial=self._partial())
             return False
+        full = n == target.nbytes
         if body is not None:
             self.filled += n
             if self.filled == body.nbytes:
                 out.append(self._frames(body, self.lens))
                 self.body = None
-            return True
+            return full
         self.end += n
-        return self._parse(out)
+        return self._parse(out) and full
 
     def _partial(self) -> bool:
         return self.body is not None or self.end > self.start
