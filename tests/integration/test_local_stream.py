@@ -279,3 +279,36 @@ def test_a_receiver_dying_mid_stream_sends_its_packets_back_to_zeromq(
             slow.close()
 
     asyncio.run(main())
+
+
+def test_a_stale_stream_file_is_not_used_and_is_tried_again_later(wait_until: Any) -> None:
+    """A socket file nobody listens on (a peer killed with SIGKILL) refuses the
+    connect: packets take the ZeroMQ path, and the stream is tried again only
+    after ``RETRY_S``, not on every send."""
+
+    async def main() -> None:
+        got: list[bytes] = []
+        rx = ZmqTransport(Config(local_stream=False))
+        tx = ZmqTransport(Config())
+        await rx.start(lambda frames: got.append(bytes(frames[1])))
+        await tx.start(lambda frames: None)
+        path = _local_ipc.stream_path(rx.address.rsplit(":", 1)[1])
+        assert path is not None
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(path)
+        stale.close()  # the file stays, nothing listens
+        try:
+            assert tx._streams is not None
+            assert tx._streams.writer(rx.address) is None
+            skip_until = tx._streams._skip[rx.address]
+            assert skip_until > tx.clock.now()
+            assert await tx.connect(rx.address, 3.0)
+            assert tx.send(rx.address, [b"h", b"via zeromq"])
+            await wait_until(lambda: got == [b"via zeromq"], WAIT_S, what="the packet")
+            assert tx._streams._skip[rx.address] == skip_until  # not re-probed per send
+        finally:
+            os.unlink(path)
+            await tx.close()
+            await rx.close()
+
+    asyncio.run(main())
