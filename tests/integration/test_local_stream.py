@@ -69,8 +69,12 @@ def test_packets_arrive_whole_in_order_as_local_frames(wait_until: Any) -> None:
         assert tx.stats.sent_packets == rx.stats.recv_packets == len(sent)
         assert tx.stats.sent_bytes == rx.stats.recv_bytes == nbytes
         paths.append(rx._inbox.path)
-        await tx.close()
+        assert tx._streams is not None
         await rx.close()
+        # an idle writer notices its receiver left and frees its socket at once
+        await wait_until(lambda: not tx._streams.writers, WAIT_S, what="the writer to close")
+        assert tx.stats.dropped_unreachable == 0  # nothing was queued
+        await tx.close()
 
     paths: list[str | None] = []
     asyncio.run(main())

@@ -107,6 +107,20 @@ class StreamWriter:
         self.queued_packets = 0
         self.queued_bytes = 0
         self.closed = False
+        # The receiver never writes back: readable means it closed (or broke the
+        # protocol).  Why watch: a writer idle after its peer left would otherwise
+        # hold its descriptor until the next send or ``forget``.
+        loop.add_reader(sock.fileno(), self._on_peer_closed)
+
+    def _on_peer_closed(self) -> None:
+        try:
+            data = self.sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._break(err)
+            return
+        self._break(ConnectionResetError("peer closed" if not data else "peer wrote to us"))
 
     def send(self, frames: Sequence[Buffer], sizes: list[int]) -> bool:
         """Write one packet, or queue what the kernel did not take; False = dropped, counted."""
@@ -197,6 +211,8 @@ class StreamWriter:
         self.closed = True
         with contextlib.suppress(ValueError, OSError):
             self._loop.remove_writer(self.sock.fileno())
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self.sock.fileno())
         self.sock.close()
         self._queue.clear()
         self.queued_packets = self.queued_bytes = 0
