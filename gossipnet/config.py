@@ -70,7 +70,7 @@ class Config:
             before.  Why: each thread hand-off after an idle gap costs scheduling
             latency.  A 1M float32 all-reduce across four local processes: 1.17x
             gloo's time against 1.27x over ZeroMQ's alias (medians of three runs);
-            25M: 0.92x against 0.88x, but 1.07-1.08x in two of four runs, where the
+            25M: 0.92x against 0.88x, but 1.01-1.08x in three of five runs, where the
             loop makes the kernel copies ZeroMQ's I/O thread made in parallel
             (docs/benchmarks.md, "Issue 21, session 15").  False: ZeroMQ's alias.
     Wire
