@@ -8,9 +8,12 @@ on END markers instead of waiting for retransmissions.
 Setup: 4 spawned processes on 127.0.0.1, one float32 tensor per size; each
 process holds different random values.  Rows ("cases"):
   gloo                 ``dist.all_reduce`` (sum) then ``div_(world)``: the same mean
-  gossipnet            ``Peer.all_reduce([t])`` over ZeroMQ, default Config: peers on
-                       127.0.0.1 reach each other over Unix-socket aliases
+  gossipnet            ``Peer.all_reduce([t])`` over the ZeroMQ backend, default Config:
+                       peers on 127.0.0.1 reach each other over Unix stream sockets
+                       their event loops read and write (``Config.local_stream``)
   gossipnet tcp        the same over TCP (``Config(local_ipc=False)``), as gloo is
+  gossipnet zmq-ipc    the same through ZeroMQ's Unix-socket alias instead of the
+                       loop-served stream (``Config(local_stream=False)``)
   gossipnet chunk NK   the same with ``Config(chunk_bytes=N KiB)``
   ... loss 10%         ``FaultPlan(loss=0.1)`` on every packet each peer sends
 
@@ -112,6 +115,10 @@ class Row:
 
     times_s: list[float] = field(default_factory=list)  # timed reps, in order
     cpu_s: list[float] = field(default_factory=list)  # process CPU (all threads) per timed rep
+    #: per timed rep, the event-loop thread's and the calling thread's CPU seconds
+    #: (``report.extra``; gossipnet only): the rest of ``cpu_s`` is other threads
+    loop_cpu_s: list[float] = field(default_factory=list)
+    caller_cpu_s: list[float] = field(default_factory=list)
     max_rel_err: float = 0.0  # worst over all reps, 0% loss cases only
     delivered: list[float] = field(default_factory=list)
     stale: list[int] = field(default_factory=list)
@@ -307,6 +314,8 @@ def _one_rep(
         row.delivered.append(report.delivered_fraction)
         row.stale.append(report.chunks_stale)
         row.chunks_total = report.chunks_total
+        row.loop_cpu_s.append(report.extra.get("cpu_s", 0.0))
+        row.caller_cpu_s.append(report.extra.get("cpu_caller_s", 0.0))
 
 
 # ---------------------------------------------------------------------- parent side
@@ -326,6 +335,8 @@ def build_plan(
     cases = [Case("gloo", "gloo")]
     cases += [Case(name, "gossipnet", overrides=o) for name, o in variants]
     cases.append(Case(f"{DEFAULT} tcp", "gossipnet", overrides={"local_ipc": False}))
+    # same-host packets through ZeroMQ's own alias instead of the loop-served stream
+    cases.append(Case(f"{DEFAULT} zmq-ipc", "gossipnet", overrides={"local_stream": False}))
     cases += [Case(f"{name} loss 10%", "gossipnet", LOSS, o) for name, o in variants]
     if reorder:
         cases.append(Case(f"{DEFAULT} reorder {reorder:.0%}", "gossipnet", reorder=reorder))
@@ -363,12 +374,16 @@ def _cell(rows: list[Row]) -> dict[str, Any]:
     """One (case, size) over all ranks: per rep the slowest rank, then the median."""
     per_rep = [max(ts) for ts in zip(*(r.times_s for r in rows), strict=True)]
     cpu = [sum(cs) for cs in zip(*(r.cpu_s for r in rows), strict=True)]
+    loop_cpu = [sum(cs) for cs in zip(*(r.loop_cpu_s for r in rows), strict=True)]
+    caller_cpu = [sum(cs) for cs in zip(*(r.caller_cpu_s for r in rows), strict=True)]
     delivered = [d for r in rows for d in r.delivered]
     stale = [s for r in rows for s in r.stale]
     return {
         "median_s": median(per_rep),
         "min_s": min(per_rep),
         "cpu_s": median(cpu),
+        "loop_cpu_s": median(loop_cpu) if loop_cpu else None,
+        "caller_cpu_s": median(caller_cpu) if caller_cpu else None,
         "max_rel_err": max(r.max_rel_err for r in rows),
         "delivered_fraction": sum(delivered) / len(delivered) if delivered else None,
         "stale_chunks": sum(stale) / len(stale) if stale else None,  # per peer and call
@@ -419,6 +434,17 @@ def report(plan: Plan, cells: dict[tuple[str, int], dict[str, Any]]) -> dict[str
         summary["per_size"][str(n)] = {
             "seconds": {c.name: round(cells[(c.name, n)]["median_s"], 5) for c in plan.cases},
             "cpu_seconds": {c.name: round(cells[(c.name, n)]["cpu_s"], 4) for c in plan.cases},
+            # of those, the event-loop threads' and the calling threads' (gossipnet rows)
+            "loop_cpu_seconds": {
+                c.name: round(cells[(c.name, n)]["loop_cpu_s"], 4)
+                for c in plan.cases
+                if cells[(c.name, n)]["loop_cpu_s"] is not None
+            },
+            "caller_cpu_seconds": {
+                c.name: round(cells[(c.name, n)]["caller_cpu_s"], 4)
+                for c in plan.cases
+                if cells[(c.name, n)]["caller_cpu_s"] is not None
+            },
             "local_drops": {c.name: cells[(c.name, n)]["local_drops"] for c in plan.cases},
             "lossless_vs_gloo": round(base / gloo, 3),
             # CPU seconds do not stretch when other programs load the machine

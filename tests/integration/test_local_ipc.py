@@ -32,6 +32,9 @@ pytestmark = [
 
 
 WAIT_S = 5.0  # deadline of every wait on a condition (the conftest's ``wait_until``)
+#: These tests are about ZeroMQ's alias; the loop-served stream that takes same-host
+#: packets first where it is on is tested in test_local_stream.py.
+ALIAS = Config(local_stream=False)
 
 
 def route(tx: ZmqTransport, dst: str) -> str:
@@ -49,8 +52,8 @@ def _free_port() -> int:
 def test_loopback_peer_is_reached_over_its_alias(listen: str, wait_until: Any) -> None:
     async def main() -> None:
         got: list[bytes] = []
-        rx = ZmqTransport(Config(), listen)
-        tx = ZmqTransport(Config())
+        rx = ZmqTransport(ALIAS, listen)
+        tx = ZmqTransport(ALIAS)
         await rx.start(lambda frames: got.append(bytes(frames[1])))
         await tx.start(lambda frames: None)
         assert rx.address.startswith("tcp://127.0.0.1:")  # the identity stays TCP
@@ -77,12 +80,12 @@ def test_sender_that_dialed_first_moves_to_the_alias_without_loss(wait_until: An
     async def main() -> None:
         port = _free_port()
         got: list[int] = []
-        tx = ZmqTransport(Config())
+        tx = ZmqTransport(ALIAS)
         await tx.start(lambda frames: None)
         dst = f"tcp://127.0.0.1:{port}"
         assert not tx.send(dst, [b"early"])  # not up: dropped and counted, as on UDP
         assert route(tx, dst) == dst
-        rx = ZmqTransport(Config(), dst)
+        rx = ZmqTransport(ALIAS, dst)
         await rx.start(lambda frames: got.append(int.from_bytes(frames[0], "big")))
         sent: list[int] = []
         seq = 0
@@ -115,8 +118,8 @@ def test_alias_arrivals_are_local_frames_and_tcp_ones_are_not(wait_until: Any) -
 
     async def main() -> None:
         got: list[type] = []
-        rx = ZmqTransport(Config())
-        via_alias, via_tcp = ZmqTransport(Config()), ZmqTransport(Config(local_ipc=False))
+        rx = ZmqTransport(ALIAS)
+        via_alias, via_tcp = ZmqTransport(ALIAS), ZmqTransport(Config(local_ipc=False))
         await rx.start(lambda frames: got.append(type(frames)))
         for tx in (via_alias, via_tcp):
             await tx.start(lambda frames: None)

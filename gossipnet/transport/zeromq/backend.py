@@ -61,8 +61,10 @@ from gossipnet.transport.base import (
     Transport,
     is_frozen,
 )
-from gossipnet.transport.zeromq.local_ipc import ALIASED_HOST, alias_path
+from gossipnet.transport.zeromq.local_ipc import ALIASED_HOST, alias_path, stream_path
+from gossipnet.transport.zeromq.local_stream import MAX_FRAMES, StreamInbox, StreamWriter
 from gossipnet.transport.zeromq.routes import PushRoutes
+from gossipnet.transport.zeromq.stream_routes import StreamRoutes
 
 __all__ = ("ZmqTransport",)
 
@@ -181,6 +183,9 @@ class ZmqTransport(Transport):
         self._closed = False
         self._ipc_path: str | None = None  # a socket file we named, removed at close
         self._alias: str | None = None  # the same-host alias we bound, removed at close
+        # the loop-served same-host stream (local_stream.py), where Config.local_stream
+        self._streams: StreamRoutes | None = None
+        self._inbox: StreamInbox | None = None
 
     @property
     def max_packet_bytes(self) -> int:
@@ -220,6 +225,7 @@ class ZmqTransport(Transport):
         # Packets queued before the reader existed raised no edge: look once.
         self._schedule_drain(False)
         self._bind_alias(ctx, loop, endpoint)
+        self._bind_stream(loop, endpoint)
         return self.address
 
     def _pull_socket(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
@@ -240,6 +246,11 @@ class ZmqTransport(Transport):
                 if fd >= 0:
                     self._loop.remove_reader(fd)
         self._routes.close()
+        if self._streams is not None:
+            self._streams.close()
+        if self._inbox is not None:
+            self._inbox.close()
+        self._streams = self._inbox = None  # sends now fail as on the ZeroMQ path
         for inbox in (self._pull, self._local):
             if inbox is not None:
                 inbox.close(linger=0)
@@ -309,6 +320,44 @@ class ZmqTransport(Transport):
         self._local_fd = cast(int, local.getsockopt(zmq.FD))
         loop.add_reader(self._local_fd, self._drain, True)
         self._schedule_drain(True)
+
+    def _bind_stream(self, loop: asyncio.AbstractEventLoop, endpoint: str) -> None:
+        """Send to same-host peers over their loop-served stream, and serve our own.
+
+        Where ``Config.local_stream`` (and ``local_ipc``) are on; see
+        ``local_stream.py``.  Sending needs no socket of ours: a peer bound
+        elsewhere still reaches ``127.0.0.1`` peers over their streams.
+        """
+        if self._scheme != "tcp" or not (self.config.local_ipc and self.config.local_stream):
+            return
+        self._streams = StreamRoutes(self.config, loop, self.stats, self.clock.now)
+        host, port = split_host_port(split_address(endpoint)[1])
+        path = stream_path(port) if host in (ALIASED_HOST, "0.0.0.0") else None
+        if path is None:
+            return
+        inbox = StreamInbox(loop, self.stats, self._max_packet, self._deliver_local)
+        if inbox.listen(path):
+            self._inbox = inbox
+
+    def _deliver_local(self, packets: list[list[memoryview]]) -> None:
+        """One read's packets from a stream: to the batch handler, or one by one."""
+        handler = self._handler
+        if handler is None:
+            return
+        batch = self.batch_handler
+        if batch is not None:
+            try:
+                batch(packets)
+            except Exception:
+                _log.exception("batch handler raised on %s; packets dropped", self.address)
+            return
+        for frames in packets:
+            try:
+                handler(frames)
+            except Exception:
+                _log.exception("packet handler raised on %s; packet dropped", self.address)
+            if self._handler is None:
+                return
 
     def _advertised(self, endpoint: str) -> str:
         """The address peers must use: never a wildcard host."""
@@ -398,6 +447,10 @@ class ZmqTransport(Transport):
         before :meth:`start`, after :meth:`close`, or on other ZeroMQ errors.
         """
         stats, routes = self.stats, self._routes
+        if self._streams is not None:
+            writer = self._streams.writer(dst)
+            if writer is not None:
+                return self._send_stream(writer, frames)
         sock = routes.push.get(dst)
         if sock is None:
             if self._ctx is None:
@@ -437,13 +490,28 @@ class ZmqTransport(Transport):
             routes.look_for_alias(dst)
         return True
 
+    def _send_stream(self, writer: StreamWriter, frames: Sequence[Buffer]) -> bool:
+        """``send`` over a same-host stream: the same size checks and counters."""
+        sizes = [_nbytes(frame) for frame in frames]
+        if sum(sizes) > self._max_packet:
+            self.stats.dropped_oversize += 1
+            return False
+        if not sizes or len(sizes) > MAX_FRAMES:
+            self.stats.dropped_malformed += 1
+            return False
+        return writer.send(frames, sizes)
+
     def is_local(self, dst: str) -> bool:
-        """True once ``dst``'s packets go over its alias (they arrive as ``LocalFrames``)."""
+        """True once ``dst``'s packets go over its alias or stream (arriving as ``LocalFrames``)."""
+        if self._streams is not None and self._streams.writer(dst) is not None:
+            return True
         return self._routes.is_local(dst)
 
     def forget(self, dst: str) -> None:
-        """Close ``dst``'s PUSH socket (queued packets are discarded); a later send reopens."""
+        """Close ``dst``'s PUSH socket and stream (queued packets dropped); a later send reopens."""
         self._routes.forget(dst)
+        if self._streams is not None:
+            self._streams.forget(dst)
 
     async def connect(self, dst: str, timeout_s: float) -> bool:
         """Wait until a packet to ``dst`` would be accepted; False at the deadline.
@@ -455,6 +523,8 @@ class ZmqTransport(Transport):
         """
         if self._ctx is None:
             return False
+        if self._streams is not None and self._streams.writer(dst) is not None:
+            return True
         push = self._routes.push
         sock = push.get(dst) or self._routes.open(dst)
         if sock is None:

@@ -35,7 +35,7 @@ import socket
 import stat
 import tempfile
 
-__all__ = ("ALIASED_HOST", "alias_path", "live_alias")
+__all__ = ("ALIASED_HOST", "alias_path", "live_alias", "stream_path")
 
 #: The one host whose ports get aliases.  Why only it: an alias is named by port
 #: alone, and a 127.0.0.1 bind excludes a wildcard IPv4 bind of the same port, so
@@ -94,6 +94,18 @@ def alias_path(port: int | str) -> str | None:
     if directory is None:
         return None
     path = os.path.join(directory, f"{netns}-{port}.ipc")
+    return path if len(path.encode()) <= _MAX_PATH else None
+
+
+def stream_path(port: int | str) -> str | None:
+    """The path of ``127.0.0.1:<port>``'s loop-served stream socket (``local_stream.py``).
+
+    Beside the alias, in the same private directory; None where the alias is.
+    """
+    path = alias_path(port)
+    if path is None:
+        return None
+    path = path[: -len(".ipc")] + ".sock"
     return path if len(path.encode()) <= _MAX_PATH else None
 
 

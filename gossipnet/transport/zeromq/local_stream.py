@@ -1,0 +1,434 @@
+"""Same-host packets without ZeroMQ's threads: a Unix stream socket the event loop reads and writes.
+
+Why: between processes on one host, ZeroMQ's own alias (``local_ipc``) still
+passes every packet through three extra threads: the sender's ZeroMQ I/O
+thread writes it, the receiver's I/O thread reads it and wakes the event
+loop, and pyzmq's garbage-collector thread wakes to release each zero-copy
+frame.  A 1M float32 all-reduce across four processes makes about eight such
+wake-ups on its critical path, on 2 cores shared by a dozen threads; after an
+idle gap each costs scheduling latency, not just CPU (docs/benchmarks.md,
+"Issue 21, session 15").  Here the loop itself calls ``sendmsg`` (the kernel
+copies the frames; nothing is queued in user space while the socket has room)
+and ``recv_into`` a buffer allocated for the packet, so a packet costs one
+wake-up: the receiver's loop.
+
+Records on the stream, one per packet: ``<HHI`` (magic, frame count, body
+length), the frame lengths (``<I`` each), then the frames' bytes.  The stream
+only frames packets: each is still a whole wire packet, checked alone by
+:class:`~gossipnet.transport.wire.WireCodec` (fingerprint, replay window,
+header).  A record that cannot be parsed (bad magic, no or too many frames, a
+body above the packet limit, lengths that do not add up) or a stream cut
+mid-record is counted (``dropped_malformed``) and closes that connection: a
+byte stream cannot resynchronise; the sender reconnects on a later send.
+
+Who may connect: the socket lives in the same private directory as the
+ZeroMQ alias (``local_ipc``: mode 0700, this user's), and each accepted
+connection's peer credentials are checked to be this user's; packets arrive
+as :class:`~gossipnet.transport.base.LocalFrames`.
+
+Sending keeps the transport contract: ``send`` never blocks (non-blocking
+socket); what the kernel did not take waits in a queue bounded by
+``Config.send_queue_packets`` packets and :data:`MAX_QUEUED_BYTES`, flushed
+when the socket is writable; a packet that does not fit is dropped and
+counted (``dropped_queue_full``).  Frames that are not frozen
+(:func:`~gossipnet.transport.base.is_frozen`) are copied before they are
+queued.  A peer that dies mid-stream fails the next write: its queued packets
+are counted as ``dropped_unreachable`` and its destination falls back to the
+ZeroMQ path for :data:`RETRY_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from gossipnet.transport.base import Buffer, LocalFrames, TransportStats, is_frozen
+
+__all__ = ("MAX_QUEUED_BYTES", "RETRY_S", "StreamInbox", "StreamWriter", "encode_prefix")
+
+_log = logging.getLogger(__name__)
+
+MAGIC = 0x4753
+_PREFIX = struct.Struct("<HHI")
+MAX_FRAMES = 16
+#: Bytes a destination may hold in user space beyond the kernel's buffer.
+MAX_QUEUED_BYTES = 64 * 1024 * 1024
+#: After a failed connect or a broken connection, the ZeroMQ path is used this long.
+RETRY_S = 1.0
+#: Kernel send buffer asked for (capped by ``net.core.wmem_max``): a 4 MiB
+#: packet then leaves in one ``sendmsg`` instead of several writable wake-ups.
+SNDBUF_BYTES = 4 * 1024 * 1024
+#: Records up to this size are copied out of the read buffer; larger ones are
+#: read straight into a buffer of their own.
+_SMALL = 64 * 1024
+_READ_BUFFER = 256 * 1024
+_READS_PER_CALL = 16  # recv calls per readable callback: other loop work runs between
+_IOV_MAX = 512
+_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE, never SIGPIPE, from a dead reader
+
+Deliver = Callable[[list[list[memoryview]]], None]
+
+
+def _nbytes(frame: Buffer) -> int:
+    return frame.nbytes if isinstance(frame, memoryview) else len(frame)
+
+
+def encode_prefix(sizes: Sequence[int]) -> bytes:
+    """The record prefix of a packet whose frames have ``sizes``."""
+    return _PREFIX.pack(MAGIC, len(sizes), sum(sizes)) + struct.pack(f"<{len(sizes)}I", *sizes)
+
+
+class StreamWriter:
+    """One connected, non-blocking stream to a same-host peer; see the module docstring."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        loop: asyncio.AbstractEventLoop,
+        stats: TransportStats,
+        max_packets: int,
+        on_broken: Callable[[StreamWriter], None],
+    ) -> None:
+        self.sock = sock
+        self._loop = loop
+        self._stats = stats
+        self._max_packets = max_packets
+        self._on_broken = on_broken
+        #: pieces not yet written, each with whether it ends a packet
+        self._queue: collections.deque[tuple[memoryview, bool]] = collections.deque()
+        self.queued_packets = 0
+        self.queued_bytes = 0
+        self.closed = False
+        # The receiver never writes back: readable means it closed (or broke the
+        # protocol).  Why watch: a writer idle after its peer left would otherwise
+        # hold its descriptor until the next send or ``forget``.
+        loop.add_reader(sock.fileno(), self._on_peer_closed)
+
+    def _on_peer_closed(self) -> None:
+        try:
+            data = self.sock.recv(1)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as err:
+            self._break(err)
+            return
+        self._break(ConnectionResetError("peer closed" if not data else "peer wrote to us"))
+
+    def send(self, frames: Sequence[Buffer], sizes: list[int]) -> bool:
+        """Write one packet, or queue what the kernel did not take; False = dropped, counted."""
+        stats = self._stats
+        if self.closed:
+            stats.send_errors += 1
+            return False
+        prefix = encode_prefix(sizes)
+        total = len(prefix) + sum(sizes)
+        if self._queue:
+            if (
+                self.queued_packets >= self._max_packets
+                or self.queued_bytes + total > MAX_QUEUED_BYTES
+            ):
+                stats.dropped_queue_full += 1
+                return False
+            self._enqueue(prefix, frames, 0)
+        else:
+            try:
+                sent = self.sock.sendmsg([prefix, *frames], (), _NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as err:
+                stats.send_errors += 1
+                self._break(err)
+                return False
+            if sent < total:
+                self._enqueue(prefix, frames, sent)
+                self._loop.add_writer(self.sock.fileno(), self._flush)
+        stats.sent_packets += 1
+        stats.sent_bytes += total - len(prefix)
+        return True
+
+    def _enqueue(self, prefix: bytes, frames: Sequence[Buffer], skip: int) -> None:
+        """Queue the packet's bytes after the first ``skip``; copies frames not frozen."""
+        pieces: list[memoryview] = []
+        for part in (prefix, *frames):
+            view = memoryview(part).cast("B") if not isinstance(part, bytes) else memoryview(part)
+            n = view.nbytes
+            if skip >= n:
+                skip -= n
+                continue
+            if skip:
+                view = view[skip:]
+                skip = 0
+            if not is_frozen(part):
+                view = memoryview(bytes(view))
+            pieces.append(view)
+        for i, view in enumerate(pieces):
+            self._queue.append((view, i == len(pieces) - 1))
+            self.queued_bytes += view.nbytes
+        self.queued_packets += 1
+
+    def _flush(self) -> None:
+        """Writable: write queued pieces until the kernel refuses more."""
+        queue = self._queue
+        while queue:
+            batch = [view for view, _ in itertools_islice(queue, _IOV_MAX)]
+            try:
+                sent = self.sock.sendmsg(batch, (), _NOSIGNAL)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                self._break(err)
+                return
+            self.queued_bytes -= sent
+            while sent:
+                view, last = queue[0]
+                if sent < view.nbytes:
+                    queue[0] = (view[sent:], last)
+                    break
+                sent -= view.nbytes
+                queue.popleft()
+                self.queued_packets -= last
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_writer(self.sock.fileno())
+
+    def _break(self, err: OSError) -> None:
+        _log.debug("same-host stream broke (%s); %d queued dropped", err, self.queued_packets)
+        self._stats.dropped_unreachable += self.queued_packets
+        self.close()
+        self._on_broken(self)
+
+    def close(self) -> None:
+        """Close the socket; packets still queued are discarded (counted by the caller)."""
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_writer(self.sock.fileno())
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self.sock.fileno())
+        self.sock.close()
+        self._queue.clear()
+        self.queued_packets = self.queued_bytes = 0
+
+
+def itertools_islice(
+    queue: collections.deque[tuple[memoryview, bool]], n: int
+) -> list[tuple[memoryview, bool]]:
+    """The first ``n`` entries of ``queue`` (a deque has no slicing)."""
+    if len(queue) <= n:
+        return list(queue)
+    return [queue[i] for i in range(n)]
+
+
+class _Reader:
+    """One accepted connection: parses records, delivers each as :class:`LocalFrames`."""
+
+    def __init__(self, inbox: StreamInbox, sock: socket.socket) -> None:
+        self.inbox = inbox
+        self.sock = sock
+        self.buf = bytearray(_READ_BUFFER)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+        # a large record read straight into its own buffer
+        self.body: memoryview | None = None
+        self.lens: tuple[int, ...] = ()
+        self.filled = 0
+
+    def on_readable(self) -> None:
+        out: list[list[memoryview]] = []
+        try:
+            for _ in range(_READS_PER_CALL):
+                if not self._read_once(out):
+                    break
+        finally:
+            if out:
+                self.inbox.deliver(out)
+
+    def _read_once(self, out: list[list[memoryview]]) -> bool:
+        """One ``recv_into``; False when the socket is (probably) empty or closed.
+
+        A read that did not fill its target emptied the socket: trying again at
+        once would only fail with ``EAGAIN``; the level-triggered reader calls
+        again when more has arrived.
+        """
+        body = self.body
+        target = body[self.filled :] if body is not None else self.view[self.end :]
+        try:
+            n = self.sock.recv_into(target)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as err:
+            self.inbox.close_reader(self, f"read failed ({err})", partial=self._partial())
+            return False
+        if n == 0:
+            self.inbox.close_reader(self, "peer closed", partial=self._partial())
+            return False
+        full = n == target.nbytes
+        if body is not None:
+            self.filled += n
+            if self.filled == body.nbytes:
+                out.append(self._frames(body, self.lens))
+                self.body = None
+            return full
+        self.end += n
+        return self._parse(out) and full
+
+    def _partial(self) -> bool:
+        return self.body is not None or self.end > self.start
+
+    def _parse(self, out: list[list[memoryview]]) -> bool:
+        """Take every whole record in the buffer; False if the stream was garbage."""
+        buf, view = self.buf, self.view
+        while self.end - self.start >= _PREFIX.size:
+            start = self.start
+            magic, count, body = _PREFIX.unpack_from(buf, start)
+            if magic != MAGIC or not 1 <= count <= MAX_FRAMES or body > self.inbox.max_packet:
+                self.inbox.close_reader(self, "garbage record prefix", partial=True)
+                return False
+            head = _PREFIX.size + 4 * count
+            if self.end - start < head:
+                break
+            lens = struct.unpack_from(f"<{count}I", buf, start + _PREFIX.size)
+            if sum(lens) != body:
+                self.inbox.close_reader(self, "record lengths do not add up", partial=True)
+                return False
+            have = self.end - start - head
+            if body <= _SMALL:
+                if have < body:
+                    break
+                data = bytearray(view[start + head : start + head + body])
+                out.append(self._frames(memoryview(data), lens))
+                self.start = start + head + body
+                continue
+            # large: its own buffer, never reused once delivered (base.PacketHandler)
+            own = np.empty(body, dtype=np.uint8).data
+            take = min(have, body)
+            own[:take] = view[start + head : start + head + take]
+            self.start = start + head + take
+            if take == body:
+                out.append(self._frames(own, lens))
+            else:
+                self.body, self.lens, self.filled = own, lens, take
+                break
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.start and self.end - self.start < _PREFIX.size + 4 * MAX_FRAMES + _SMALL:
+            # keep room for one whole small record at the front
+            rest = self.end - self.start
+            view[:rest] = view[self.start : self.end]
+            self.start, self.end = 0, rest
+        return True
+
+    @staticmethod
+    def _frames(body: memoryview, lens: tuple[int, ...]) -> list[memoryview]:
+        frames = LocalFrames()
+        pos = 0
+        for n in lens:
+            frames.append(body[pos : pos + n])
+            pos += n
+        return frames
+
+
+class StreamInbox:
+    """The listening socket at a peer's stream path, and its accepted connections.
+
+    Args:
+        loop: the event loop that reads (this transport's).
+        stats: the transport's counters (``recv_*``, ``dropped_malformed``).
+        max_packet: larger records are garbage.
+        deliver: called on the loop with each readable callback's packets, in order.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        stats: TransportStats,
+        max_packet: int,
+        deliver: Deliver,
+    ) -> None:
+        self._loop = loop
+        self._stats = stats
+        self.max_packet = max_packet
+        self._deliver = deliver
+        self._listener: socket.socket | None = None
+        self._readers: dict[int, _Reader] = {}
+        self.path: str | None = None
+
+    def listen(self, path: str) -> bool:
+        """Bind and listen at ``path`` (replacing a stale file); False if the OS refuses."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # a stale file of a dead peer: we hold its port now
+            sock.bind(path)
+            sock.listen(64)
+            sock.setblocking(False)
+        except OSError as err:
+            sock.close()
+            _log.debug("no same-host stream at %s (%s)", path, err)
+            return False
+        self._listener, self.path = sock, path
+        self._loop.add_reader(sock.fileno(), self._accept)
+        return True
+
+    def _accept(self) -> None:
+        listener = self._listener
+        if listener is None:
+            return
+        for _ in range(16):
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as err:
+                _log.debug("accept on %s failed: %s", self.path, err)
+                return
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            _, uid, _ = struct.unpack("3i", creds)
+            if uid != os.getuid():
+                self._stats.dropped_malformed += 1
+                _log.warning("same-host stream %s: refused a connection of uid %d", self.path, uid)
+                conn.close()
+                continue
+            conn.setblocking(False)
+            reader = _Reader(self, conn)
+            self._readers[conn.fileno()] = reader
+            self._loop.add_reader(conn.fileno(), reader.on_readable)
+
+    def deliver(self, packets: list[list[memoryview]]) -> None:
+        stats = self._stats
+        stats.recv_packets += len(packets)
+        stats.recv_bytes += sum(v.nbytes for frames in packets for v in frames)
+        self._deliver(packets)
+
+    def close_reader(self, reader: _Reader, why: str, *, partial: bool) -> None:
+        """Drop one connection; a record cut short or unparsable counts as one drop."""
+        if partial:
+            self._stats.dropped_malformed += 1
+            _log.debug("same-host stream %s: %s; connection closed", self.path, why)
+        fd = reader.sock.fileno()
+        if self._readers.pop(fd, None) is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(fd)
+        reader.sock.close()
+
+    def close(self) -> None:
+        """Stop accepting and reading; remove the socket file."""
+        for reader in list(self._readers.values()):
+            self.close_reader(reader, "closing", partial=False)
+        if self._listener is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self._loop.remove_reader(self._listener.fileno())
+            self._listener.close()
+            self._listener = None
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            self.path = None
