@@ -72,7 +72,9 @@ class Config:
             gloo's time against 1.27x over ZeroMQ's alias (medians of three runs);
             25M: 0.92x against 0.88x, but 1.01-1.08x in three of five runs, where the
             loop makes the kernel copies ZeroMQ's I/O thread made in parallel
-            (docs/benchmarks.md, "Issue 21, session 15").  False: ZeroMQ's alias.
+            (docs/benchmarks.md, "Issue 21, session 15").  Off by default, so large
+            all-reduces keep ZeroMQ's parallel copies; turn it on where small
+            collectives dominate.  False: ZeroMQ's alias.
     Wire
         max_header_bytes: larger msgpack headers are dropped before parsing.
         max_payload_bytes: larger payloads are dropped before any copy.
@@ -149,7 +151,7 @@ class Config:
     tune_malloc: bool = True
     gc_freeze: bool = True
     local_ipc: bool = True
-    local_stream: bool = True
+    local_stream: bool = False
     # wire
     max_header_bytes: int = 2048
     max_payload_bytes: int = 4 * 1024 * 1024

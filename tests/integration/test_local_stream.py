@@ -44,7 +44,8 @@ def _free_port() -> int:
 async def _pair(config: Config | None = None) -> tuple[ZmqTransport, ZmqTransport, list[Any]]:
     """A receiver that records each packet's frames (as bytes, with its type), and a sender."""
     got: list[Any] = []
-    rx, tx = ZmqTransport(config or Config()), ZmqTransport(config or Config())
+    cfg = config or Config(local_stream=True)
+    rx, tx = ZmqTransport(cfg), ZmqTransport(cfg)
     await rx.start(lambda frames: got.append((type(frames), [bytes(f) for f in frames])))
     await tx.start(lambda frames: None)
     return rx, tx, got
@@ -86,7 +87,7 @@ def test_local_stream_false_and_peers_without_it_use_zeromq(wait_until: Any) -> 
     async def main() -> None:
         got: list[bytes] = []
         rx = ZmqTransport(Config(local_stream=False))  # serves no stream
-        tx = ZmqTransport(Config())  # would use one
+        tx = ZmqTransport(Config(local_stream=True))  # would use one
         await rx.start(lambda frames: got.append(bytes(frames[1])))
         await tx.start(lambda frames: None)
         assert rx._inbox is None
@@ -224,7 +225,7 @@ def test_a_receiver_that_stops_reading_costs_counted_drops_never_a_block() -> No
     async def main() -> None:
         port = _free_port()
         slow = _SlowReader(port)
-        tx = ZmqTransport(Config(send_queue_packets=3))
+        tx = ZmqTransport(Config(local_stream=True, send_queue_packets=3))
         await tx.start(lambda frames: None)
         dst = f"tcp://127.0.0.1:{port}"
         try:
@@ -257,7 +258,7 @@ def test_a_receiver_dying_mid_stream_sends_its_packets_back_to_zeromq(
     async def main() -> None:
         port = _free_port()
         slow = _SlowReader(port)
-        tx = ZmqTransport(Config(send_queue_packets=8))
+        tx = ZmqTransport(Config(local_stream=True, send_queue_packets=8))
         await tx.start(lambda frames: None)
         dst = f"tcp://127.0.0.1:{port}"
         try:
@@ -293,7 +294,7 @@ def test_a_stale_stream_file_is_not_used_and_is_tried_again_later(wait_until: An
     async def main() -> None:
         got: list[bytes] = []
         rx = ZmqTransport(Config(local_stream=False))
-        tx = ZmqTransport(Config())
+        tx = ZmqTransport(Config(local_stream=True))
         await rx.start(lambda frames: got.append(bytes(frames[1])))
         await tx.start(lambda frames: None)
         path = _local_ipc.stream_path(rx.address.rsplit(":", 1)[1])
