@@ -13,10 +13,11 @@ not falling back.  Waits poll a condition with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -218,17 +219,29 @@ class _SlowReader:
             os.unlink(self.path)
 
 
+@contextlib.asynccontextmanager
+async def _sender_to_slow_reader(
+    queue: int,
+) -> AsyncIterator[tuple[ZmqTransport, _SlowReader, str]]:
+    """A stream sender (``queue`` packets of user-space queue) to a reader that
+    accepts and reads only when told; both closed after."""
+    port = _free_port()
+    slow = _SlowReader(port)
+    tx = ZmqTransport(Config(local_stream=True, send_queue_packets=queue))
+    await tx.start(lambda frames: None)
+    try:
+        yield tx, slow, f"tcp://127.0.0.1:{port}"
+    finally:
+        await tx.close()
+        slow.close()
+
+
 def test_a_receiver_that_stops_reading_costs_counted_drops_never_a_block() -> None:
     """Bounded queue: ``send`` returns at once, drops beyond it are counted, and a
     queued frame the caller changes after ``send`` arrives as it was sent."""
 
     async def main() -> None:
-        port = _free_port()
-        slow = _SlowReader(port)
-        tx = ZmqTransport(Config(local_stream=True, send_queue_packets=3))
-        await tx.start(lambda frames: None)
-        dst = f"tcp://127.0.0.1:{port}"
-        try:
+        async with _sender_to_slow_reader(3) as (tx, slow, dst):
             payloads = [bytearray(os.urandom(1 << 20)) for _ in range(40)]
             expected = [bytes(p) for p in payloads]
             loop = asyncio.get_running_loop()
@@ -245,9 +258,6 @@ def test_a_receiver_that_stops_reading_costs_counted_drops_never_a_block() -> No
             records = await asyncio.to_thread(slow.records, taken)
             accepted = [e for e, k in zip(expected, ok, strict=True) if k]
             assert records == [[b"h", e] for e in accepted]
-        finally:
-            await tx.close()
-            slow.close()
 
     asyncio.run(main())
 
@@ -256,12 +266,7 @@ def test_a_receiver_dying_mid_stream_sends_its_packets_back_to_zeromq(
     wait_until: Any,
 ) -> None:
     async def main() -> None:
-        port = _free_port()
-        slow = _SlowReader(port)
-        tx = ZmqTransport(Config(local_stream=True, send_queue_packets=8))
-        await tx.start(lambda frames: None)
-        dst = f"tcp://127.0.0.1:{port}"
-        try:
+        async with _sender_to_slow_reader(8) as (tx, slow, dst):
             sent = [tx.send(dst, [b"h", os.urandom(1 << 20)]) for _ in range(16)]
             writer = tx._streams.writers[dst]  # type: ignore[union-attr]
             queued = writer.queued_packets
@@ -279,9 +284,6 @@ def test_a_receiver_dying_mid_stream_sends_its_packets_back_to_zeromq(
             assert tx.stats.dropped_queue_full + tx.stats.dropped_unreachable == before + 1
             assert dst in tx._routes.push
             assert not tx.is_local(dst)
-        finally:
-            await tx.close()
-            slow.close()
 
     asyncio.run(main())
 

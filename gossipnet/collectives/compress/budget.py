@@ -6,7 +6,7 @@ packet (``Config.chunk_bytes`` or the transport's size, the session's
 chunk size itself (:func:`chunk_elems`), how many blocks an owner may put in a
 chunk's next ARC-Top-K set (:func:`next_size`), and how many sketch proposals
 still fit beside a sender's values (:func:`proposals`).  Values cost
-:data:`.quant.VALUE_BYTES` each (4, 2 or 1) plus an int8 packet's scale, so a
+:func:`.quant.value_cost` each (4, 2 or 1 and 1/16; int8 also one scale per packet), so a
 smaller codec gives larger chunks and fewer packets.  64 bytes are left for each
 payload's own header.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from gossipnet.collectives.compress import topk
-from gossipnet.collectives.compress.quant import GROUP, VALUE_BYTES, coded_bytes
+from gossipnet.collectives.compress.quant import coded_bytes, value_cost
 from gossipnet.collectives.compress.state import SessionState
 
 __all__ = ("chunk_elems", "dct_cap", "next_size", "proposals")
@@ -33,7 +33,7 @@ def chunk_elems(sess: SessionState, base: int, participants: int) -> int:
     broadcast together.
     """
     n = max(1, participants)
-    vb = VALUE_BYTES[sess.values] + (1 / GROUP if sess.values == "int8" else 0)
+    vb = value_cost(sess.values)
     room = base - 64 - 2 * math.ceil(n / 8) - coded_bytes(sess.values, 0)
     if sess.family == "topk":
         d, blk = 3 * sess.max_density(), sess.block
@@ -114,6 +114,6 @@ def next_size(sess: SessionState, rnd: Any, b: int, off: int, n: int) -> int:
     m = topk.block_count(n, blk)
     nparts = len(rnd.participants)
     room = sess.base_chunk - 64 - 2 * m - 2 * math.ceil(nparts / 8) - coded_bytes(sess.values, 0)
-    # values (int8: a shift per GROUP of them), two set ids, an age per block
-    cap = room // (coded_bytes(sess.values, blk) - coded_bytes(sess.values, 0) + 9)
+    # values (int8: a shift per 16 of them), two set ids, an age per block
+    cap = int(room // (math.ceil(value_cost(sess.values) * blk) + 9))
     return max(1, min(share, cap, m))

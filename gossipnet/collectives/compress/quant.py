@@ -39,6 +39,7 @@ __all__ = (
     "quantize_grouped_int8",
     "quantize_int8",
     "to_half",
+    "value_cost",
 )
 
 #: Half dtypes by name.
@@ -129,6 +130,12 @@ def dequantize_grouped_int8(
 ) -> torch.Tensor:
     """float32 values of ``(scale, shifts, q)``."""
     return q.to(torch.float32) * _group_steps(scale, shifts, q.numel())
+
+
+def value_cost(codec: str) -> float:
+    """Bytes per value of ``codec`` on average, an int8 group's shift included
+    (what a packet budget counts per value beside :func:`coded_bytes`' fixed part)."""
+    return (coded_bytes(codec, GROUP) - coded_bytes(codec, 0)) / GROUP
 
 
 def coded_bytes(codec: str, count: int) -> int:

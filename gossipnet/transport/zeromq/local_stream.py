@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import os
 import socket
@@ -178,7 +179,7 @@ class StreamWriter:
         """Writable: write queued pieces until the kernel refuses more."""
         queue = self._queue
         while queue:
-            batch = [view for view, _ in itertools_islice(queue, _IOV_MAX)]
+            batch = [view for view, _ in itertools.islice(queue, _IOV_MAX)]
             try:
                 sent = self.sock.sendmsg(batch, (), _NOSIGNAL)
             except (BlockingIOError, InterruptedError):
@@ -216,15 +217,6 @@ class StreamWriter:
         self.sock.close()
         self._queue.clear()
         self.queued_packets = self.queued_bytes = 0
-
-
-def itertools_islice(
-    queue: collections.deque[tuple[memoryview, bool]], n: int
-) -> list[tuple[memoryview, bool]]:
-    """The first ``n`` entries of ``queue`` (a deque has no slicing)."""
-    if len(queue) <= n:
-        return list(queue)
-    return [queue[i] for i in range(n)]
 
 
 class _Reader:
