@@ -444,3 +444,64 @@ def test_arctopk_bootstraps_after_the_view_changes(
                 )
 
     run_async(main())
+
+
+def _count_runs(monkeypatch: Any, *, apart: bool) -> list[int]:
+    """Record the length of every run of chunks sent as one packet (``apart``: every
+    chunk alone, as before bundles)."""
+    from gossipnet.collectives.lossy import bundle
+
+    real = bundle.group
+    lengths: list[int] = []
+
+    def grouped(records: list[Any], room: int) -> Any:
+        for run in ([r] for r in records) if apart else real(records, room):
+            lengths.append(len(run))
+            yield run
+
+    monkeypatch.setattr(bundle, "group", grouped)
+    return lengths
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("loss", [0.0, 0.2], ids=["lossless", "loss20"])
+def test_light_chunks_share_packets_and_change_nothing(
+    run_async: Callable[..., Any],
+    cluster: Any,
+    drive: Any,
+    cfg: Config,
+    monkeypatch: Any,
+    loss: float,
+) -> None:
+    """Accordion after its first interval (the critical density 0.1 sizes the chunks,
+    the calm 0.01 is in force): consecutive chunks share packets, so far fewer data
+    packets go out than chunks; lossless, every peer's result is bit-identical to
+    sending each chunk alone; at 20% loss the error-feedback ledger still balances."""
+    spec = Accordion(low=ArcTopK(density=0.1), high=ArcTopK(density=0.01), interval=2)
+    make = grads(8)
+
+    async def once(apart: bool) -> tuple[list[torch.Tensor], list[int]]:
+        lengths = _count_runs(monkeypatch, apart=apart)
+        clock = FakeClock()
+        plan = (lambda i: FaultPlan(loss=loss, seed=130 + i)) if loss else None
+        async with cluster(N, config=cfg, clock=clock, faults=plan) as nodes:
+            sessions = [CompressSession(spec) for _ in range(N)]
+            for s in sessions:
+                s.ledger = Ledger()
+            seen: list[torch.Tensor] = []
+            await rounds(drive, clock, nodes, sessions, make, 8, lambda r, xs, _: seen.extend(xs))
+            assert sessions[0].accordion is not None
+            assert sessions[0].accordion.critical_share(0, NUMEL) < 1.0  # calm layers sent
+            if loss:
+                _check_ledgers(sessions)
+        return seen, lengths
+
+    together, runs = run_async(once(apart=False))
+    assert sum(runs) > 2 * len(runs)  # chunks per packet, over the eight rounds
+    assert max(runs) > 2
+    if not loss:
+        alone, single = run_async(once(apart=True))
+        assert set(single) == {1}
+        assert sum(single) == sum(runs)  # the same chunks were sent
+        for a, b in zip(together, alone, strict=True):
+            assert torch.equal(a, b)

@@ -21,10 +21,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
+from collections.abc import Iterator
 
 import torch
 
 from gossipnet.collectives.chunks import as_bytes
+from gossipnet.collectives.lossy import bundle
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.cut import wait_phase
 from gossipnet.collectives.lossy.packets import (
@@ -34,14 +37,17 @@ from gossipnet.collectives.lossy.packets import (
     chunk_ids,
     chunk_of,
     compressed_fields,
+    packet_room,
     send_copies,
     send_copy,
+    unbundle,
 )
 from gossipnet.collectives.lossy.parity import on_parity, send_parity
 from gossipnet.collectives.lossy.reducer import OwnedShard, ShardReducer
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.rows import ChunkRows, write_rows
 from gossipnet.collectives.lossy.stale_step import StaleStep
+from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
 __all__ = ("all_gather", "announce_ag_end", "on_ag", "on_ag_batch", "replay_ag", "send_ag")
@@ -143,7 +149,6 @@ async def send_ag(
     to share, and the receivers keep their own values for it.
     """
     node = ctx.node
-    kind = ctx.k.ag_data
     others = [p for p in rnd.participants if p != rnd.me]
     sent = 0
     copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
@@ -151,32 +156,8 @@ async def send_ag(
         b = shard.bucket
         encoded = _encode_shard(rnd, shard, value) if rnd.codec is not None else {}
         raw = _broadcast_bytes(rnd, shard, value)
-        plan = rnd.plans[b]
-        code = DTYPE_CODES[rnd.dst[b].dtype]
-        base = shard.start * plan.itemsize
-        owned = rnd.owned[b]
-        for c in owned:
-            if shard.weights[c - owned.start] <= 0:
-                continue  # no weighted contribution arrived: no average exists to share
-            rnd.ag_chunks_sent += 1
-            _, count = plan.chunk(c)
-            span = plan.byte_slice(c)
-            payload = raw[span.start - base : span.stop - base]
-            fields = {
-                **rnd.ident,
-                "b": b,
-                "c": c,
-                "dt": code,
-                "n": count,
-            }
-            z = encoded.get(c)
-            if z is not None:  # compressed: its own payload kind and bytes
-                fields.update(dt="u8", n=len(z[1]), z=int(z[0]))
-                payload = memoryview(z[1])
-            # one encoding (one MAC) for every destination
-            frames = node.encode_for(others, kind, fields, payload)
-            if rnd.codec is not None:
-                rnd.codec.sent(frames, len(others) * rnd.redundancy, count * 4)
+        packets = _compressed_ag(ctx, rnd, shard, encoded, others) if encoded else []
+        for frames in itertools.chain(packets, _dense_ag(ctx, rnd, shard, raw, encoded, others)):
             rnd.sent += node.send_frames(others, frames)
             if copies is not None:
                 copies.append((others, frames))
@@ -186,15 +167,76 @@ async def send_ag(
             if sent >= YIELD_EVERY:
                 sent = 0
                 await asyncio.sleep(0)
+        owned = rnd.owned[b]
         # parity over the whole range, so only where every chunk of it was sent
         if rnd.fec_k and bool((shard.weights > 0).all()) and len(owned):
             fields = dict(rnd.ident)
-            rnd.sent += send_parity(ctx, rnd, kind, others, b, owned, raw, fields)
+            rnd.sent += send_parity(ctx, rnd, ctx.k.ag_data, others, b, owned, raw, fields)
     await send_copies(node, rnd, copies)
     ends = ctx.end_copies(rnd)
     if not ends and rnd.ag_chunks_sent < rnd.expect_rs:  # expect_rs: the chunks we own
         ends = 1  # chunks withheld (no weight arrived): receivers need the count
     announce_ag_end(ctx, rnd, ends)
+
+
+def _dense_ag(
+    ctx: PhaseContext,
+    rnd: Round,
+    shard: OwnedShard,
+    raw: memoryview,
+    encoded: dict[int, tuple[int, bytes]],
+    others: list[str],
+) -> Iterator[list[Buffer]]:
+    """The packets of our dense broadcast of ``shard``'s chunks with an average and
+    not in ``encoded`` (sent compressed); one encoding (one MAC) for every destination."""
+    b = shard.bucket
+    plan, owned = rnd.plans[b], rnd.owned[b]
+    code = DTYPE_CODES[rnd.dst[b].dtype]
+    base = shard.start * plan.itemsize
+    for c in owned:
+        if shard.weights[c - owned.start] <= 0 or c in encoded:
+            continue  # no average exists to share (no weight arrived), or sent compressed
+        rnd.ag_chunks_sent += 1
+        count = plan.chunk(c)[1]
+        span = plan.byte_slice(c)
+        fields = {**rnd.ident, "b": b, "c": c, "dt": code, "n": count}
+        frames = ctx.node.encode_for(
+            others, ctx.k.ag_data, fields, raw[span.start - base : span.stop - base]
+        )
+        if rnd.codec is not None:  # a compressed round's dense chunk (parameters)
+            rnd.codec.sent(frames, len(others) * rnd.redundancy, count * 4)
+        yield frames
+
+
+def _compressed_ag(
+    ctx: PhaseContext,
+    rnd: Round,
+    shard: OwnedShard,
+    encoded: dict[int, tuple[int, bytes]],
+    others: list[str],
+) -> list[list[Buffer]]:
+    """The packets of our compressed broadcast of ``shard``: its chunks with an
+    average (``encoded``), consecutive ones sharing a packet while they fit
+    (:mod:`.bundle`); one encoding (one MAC) for every destination."""
+    codec = rnd.codec
+    assert codec is not None
+    b = shard.bucket
+    plan, owned = rnd.plans[b], rnd.owned[b]
+    records = []
+    for c in owned:
+        if shard.weights[c - owned.start] > 0 and c in encoded:
+            rnd.ag_chunks_sent += 1
+            records.append((c, *encoded[c]))
+    fields = {**rnd.ident, "b": b, "dt": "u8"}
+    packets = []
+    for run in bundle.group(records, packet_room(ctx.node)):
+        c, z, payload = run[0] if len(run) == 1 else (run[0][0], bundle.BUNDLE, bundle.pack(run))
+        fields.update(c=c, n=len(payload), z=int(z))
+        frames = ctx.node.encode_for(others, ctx.k.ag_data, fields, payload)
+        dense = sum(plan.chunk(r[0])[1] for r in run) * 4
+        codec.sent(frames, len(others) * rnd.redundancy, dense)
+        packets.append(frames)
+    return packets
 
 
 def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
@@ -220,6 +262,10 @@ def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
 
     A parity packet (``"g"`` in its fields) may rebuild one lost chunk.
     """
+    if pkt.fields.get("z") == bundle.BUNDLE:  # record by record, each as a packet
+        for one in unbundle(ctx.dropped, pkt):
+            on_ag(ctx, rnd, one)
+        return
     src = pkt.src
     overtaken = src in rnd.ag.ended  # by its sender's END: learn by how much
     if "g" in pkt.fields:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gossipnet.collectives.chunks import all_finite, auto_chunk_bytes, from_bytes
+from gossipnet.collectives.lossy import bundle
 from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.round import Round
@@ -38,8 +39,10 @@ __all__ = (
     "chunk_of",
     "chunk_sizes",
     "compressed_fields",
+    "packet_room",
     "send_copies",
     "send_copy",
+    "unbundle",
 )
 
 YIELD_EVERY = 32  # packets sent between yields, so receiving never starves
@@ -155,6 +158,15 @@ def chunk_of(
     return b, c, values
 
 
+def packet_room(node: Node) -> int:
+    """Payload bytes of one compressed packet: ``Config.chunk_bytes`` if set, else
+    the transport's packet size (within ``Config.max_payload_bytes``).  A
+    compressed chunk is sized to fit it, and so is a bundle of several."""
+    transport = node.transport
+    base = transport.default_chunk_bytes if transport is not None else 64 * 1024
+    return node.config.chunk_bytes or min(base, node.config.max_payload_bytes)
+
+
 def chunk_sizes(
     node: Node,
     src: Sequence[torch.Tensor],
@@ -173,7 +185,7 @@ def chunk_sizes(
     base = min(base, limit)
     cap = min(getattr(transport, "max_chunk_bytes", base), limit)
     if codec is not None:
-        one = fixed or base
+        one = packet_room(node)
         return [
             codec.chunk_bytes(one, b.numel(), b.element_size(), participants, param_mode)
             for b in src
@@ -182,6 +194,16 @@ def chunk_sizes(
         fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
         for b in src
     ]
+
+
+def unbundle(dropped: collections.Counter[str], pkt: Packet) -> list[Packet]:
+    """The records of bundle ``pkt`` (:mod:`.bundle`) as packets; none if it is
+    malformed (counted ``bad_bundle``)."""
+    parts = bundle.expand(pkt)
+    if parts is None:
+        dropped["bad_bundle"] += 1
+        return []
+    return parts
 
 
 def compressed_fields(

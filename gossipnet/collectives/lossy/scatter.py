@@ -19,6 +19,7 @@ import collections
 import torch
 
 from gossipnet.collectives.chunks import as_bytes, from_bytes
+from gossipnet.collectives.lossy import bundle
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.packets import (
     COPY_LAG,
@@ -26,8 +27,10 @@ from gossipnet.collectives.lossy.packets import (
     Send,
     chunk_ids,
     compressed_fields,
+    packet_room,
     send_copies,
     send_copy,
+    unbundle,
 )
 from gossipnet.collectives.lossy.parity import group_count, on_parity, send_parity
 from gossipnet.collectives.lossy.reducer import OwnedShard
@@ -80,7 +83,7 @@ async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
             groups.setdefault((owner, b), []).append(c)
         for (owner, b), chunks in groups.items():
             if rnd.codec is not None:
-                packets = [compressed_rs(ctx, rnd, owner, b, c, weight) for c in chunks]
+                packets = compressed_rs(ctx, rnd, owner, b, chunks, weight)
             else:
                 plan, raw = rnd.plans[b], raws[b]
                 common = {**rnd.ident, "w": weight, "dt": codes[b]}
@@ -90,7 +93,7 @@ async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
                 payloads = [raw[plan.byte_slice(c)] for c in chunks]
                 packets = node.encode_run((owner,), kind, common, rows, payloads)
             rnd.sent += node.send_batch((owner,), packets)
-            per_dest[owner] += len(packets)
+            per_dest[owner] += len(chunks)  # ENDs count chunks (a bundle holds several)
             if copies is not None:
                 for frames in packets:
                     copies.append(((owner,), frames))
@@ -123,17 +126,23 @@ async def _send_rs_parity(
 
 
 def compressed_rs(
-    ctx: PhaseContext, rnd: Round, owner: str, b: int, c: int, weight: float
-) -> list[Buffer]:
-    """The encoded packet of our compressed contribution to ``owner``'s chunk ``c``."""
+    ctx: PhaseContext, rnd: Round, owner: str, b: int, chunks: list[int], weight: float
+) -> list[list[Buffer]]:
+    """The packets of our compressed contributions to ``owner``'s ``chunks`` of
+    bucket ``b``: consecutive ones share a packet while they fit (:mod:`.bundle`)."""
     codec = rnd.codec
     assert codec is not None
-    z, payload = codec.encode_rs(rnd, owner, b, c)
-    fields = {**rnd.ident, "b": b, "c": c, "w": weight, "dt": "u8", "n": len(payload), "z": int(z)}
-    frames = ctx.node.encode_for((owner,), ctx.k.rs_data, fields, payload)
+    records = [(c, *codec.encode_rs(rnd, owner, b, c)) for c in chunks]
+    fields = {**rnd.ident, "b": b, "w": weight, "dt": "u8"}
     plan = rnd.plans[b]
-    codec.sent(frames, rnd.redundancy, plan.chunk(c)[1] * 4)
-    return frames
+    packets = []
+    for run in bundle.group(records, packet_room(ctx.node)):
+        c, z, payload = run[0] if len(run) == 1 else (run[0][0], bundle.BUNDLE, bundle.pack(run))
+        fields.update(c=c, n=len(payload), z=int(z))
+        frames = ctx.node.encode_for((owner,), ctx.k.rs_data, fields, payload)
+        codec.sent(frames, rnd.redundancy, sum(plan.chunk(r[0])[1] for r in run) * 4)
+        packets.append(frames)
+    return packets
 
 
 def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
@@ -200,8 +209,13 @@ def finish_rs(rnd: Round) -> list[OwnedShard]:
 def on_rs(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     """Add one contribution into our accumulator (weighted), once per (sender, chunk).
 
-    A parity packet (``"g"`` in its fields) may rebuild one lost contribution.
+    A parity packet (``"g"`` in its fields) may rebuild one lost contribution; a
+    bundle (:mod:`.bundle`) is taken record by record, each as a packet.
     """
+    if pkt.fields.get("z") == bundle.BUNDLE:
+        for one in unbundle(ctx.dropped, pkt):
+            on_rs(ctx, rnd, one)
+        return
     part = rs_part(ctx, rnd, pkt)
     if part is not None:
         src, b, c, values, w, keep = part
