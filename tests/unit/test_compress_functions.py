@@ -21,7 +21,7 @@ from gossipnet.clock import FakeClock
 from gossipnet.collectives.compress import CompressSession, accordion, budget, dct, quant, topk
 from gossipnet.collectives.compress.payload import NONE, Bad, Reader, Z, bitmap, in_bitmap, join
 from gossipnet.collectives.compress.spec import resolve
-from gossipnet.collectives.lossy import gather, scatter
+from gossipnet.collectives.lossy import bundle, gather, scatter
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.transport.wire import Packet
 
@@ -400,6 +400,34 @@ def test_forged_chunk_fields_and_dense_packets_are_counted() -> None:
     )
     assert scatter.rs_part(ctx, rnd, dense) is None  # type: ignore[arg-type]
     assert ctx.dropped == {"bad_chunk": 2, "not_owner": 1, "compressed_kind": 1}
+
+
+def test_forged_bundles_are_counted_and_their_records_checked_alone() -> None:
+    """A malformed bundle (lengths that do not add up, a nested bundle) is one counted
+    drop, nothing of it added; a well-formed one whose records are each forged counts
+    each record's own reason, as if it had come alone (``collectives/lossy/bundle.py``)."""
+    rnd = _round(ArcTopK(density=0.05), me="p0")
+    ctx = _Ctx()
+    c = rnd.owned[0].start
+    other = rnd.maps[0].chunks_of("p1").start
+    good = bundle.pack([(c, Z.TOPK_RS, b"x"), (c + 1, Z.TOPK_RS, b"y")])
+    nested = bundle.pack([(c, bundle.BUNDLE, good), (c + 1, Z.TOPK_RS, b"y")])
+    for payload in (good[:-1], nested):
+        scatter.on_rs(ctx, rnd, _pkt("p1", 0, c, bundle.BUNDLE, payload))  # type: ignore[arg-type]
+    assert ctx.dropped == {"bad_bundle": 2}
+    forged = bundle.pack([(c, Z.TOPK_RS, b"x"), (other, Z.TOPK_RS, b""), (10**6, Z.TOPK_RS, b"")])
+    scatter.on_rs(ctx, rnd, _pkt("p1", 0, c, bundle.BUNDLE, forged))  # type: ignore[arg-type]
+    assert ctx.dropped == {
+        "bad_bundle": 2,
+        "compressed_short": 1,  # a payload too short for its header
+        "not_owner": 1,
+        "bad_chunk": 1,
+    }, ctx.dropped
+    assert not rnd.reducers[0].has("p1", c)  # nothing added
+    rnd.sending = False
+    gather.on_ag(ctx, rnd, _pkt("p1", 0, other, bundle.BUNDLE, good[:-1]))  # type: ignore[arg-type]
+    assert ctx.dropped["bad_bundle"] == 3
+    assert not rnd.got_np[0][other]
 
 
 def test_forged_broadcasts_are_counted_drops() -> None:
