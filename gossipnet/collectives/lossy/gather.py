@@ -34,10 +34,10 @@ from gossipnet.collectives.lossy.packets import (
     COPY_LAG,
     YIELD_EVERY,
     Send,
+    bundled,
     chunk_ids,
     chunk_of,
     compressed_fields,
-    packet_room,
     send_copies,
     send_copy,
     unbundle,
@@ -227,16 +227,9 @@ def _compressed_ag(
         if shard.weights[c - owned.start] > 0 and c in encoded:
             rnd.ag_chunks_sent += 1
             records.append((c, *encoded[c]))
-    fields = {**rnd.ident, "b": b, "dt": "u8"}
-    packets = []
-    for run in bundle.group(records, packet_room(ctx.node)):
-        c, z, payload = run[0] if len(run) == 1 else (run[0][0], bundle.BUNDLE, bundle.pack(run))
-        fields.update(c=c, n=len(payload), z=int(z))
-        frames = ctx.node.encode_for(others, ctx.k.ag_data, fields, payload)
-        dense = sum(plan.chunk(r[0])[1] for r in run) * 4
-        codec.sent(frames, len(others) * rnd.redundancy, dense)
-        packets.append(frames)
-    return packets
+    fields: dict[str, object] = {**rnd.ident, "b": b, "dt": "u8"}
+    copies = len(others) * rnd.redundancy
+    return bundled(ctx.node, codec, ctx.k.ag_data, others, fields, records, plan, copies)
 
 
 def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:

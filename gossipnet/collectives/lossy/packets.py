@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gossipnet.collectives.chunks import all_finite, auto_chunk_bytes, from_bytes
+from gossipnet.collectives.chunks import ChunkPlan, all_finite, auto_chunk_bytes, from_bytes
 from gossipnet.collectives.lossy import bundle
 from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.kinds import LossyKind
@@ -35,6 +35,7 @@ __all__ = (
     "YIELD_EVERY",
     "EngineKinds",
     "Send",
+    "bundled",
     "chunk_ids",
     "chunk_of",
     "chunk_sizes",
@@ -194,6 +195,29 @@ def chunk_sizes(
         fixed or auto_chunk_bytes(b.numel() * b.element_size(), base, cap, participants)
         for b in src
     ]
+
+
+def bundled(
+    node: Node,
+    codec: ChunkCodec,
+    kind: int,
+    dsts: Sequence[str],
+    fields: dict[str, object],
+    records: list[bundle.Record],
+    plan: ChunkPlan,
+    copies: int,
+) -> list[list[Buffer]]:
+    """The encoded packets of ``records`` (compressed chunks of ``plan``'s bucket) for
+    ``dsts``: consecutive ones share a packet while they fit (:mod:`.bundle`), a lone
+    one goes plain; each packet counted with the codec (``copies`` times)."""
+    out = []
+    for run in bundle.group(records, packet_room(node)):
+        c, z, payload = run[0] if len(run) == 1 else (run[0][0], bundle.BUNDLE, bundle.pack(run))
+        fields.update(c=c, n=len(payload), z=int(z))
+        frames = node.encode_for(dsts, kind, fields, payload)
+        codec.sent(frames, copies, sum(plan.chunk(r[0])[1] for r in run) * 4)
+        out.append(frames)
+    return out
 
 
 def unbundle(dropped: collections.Counter[str], pkt: Packet) -> list[Packet]:

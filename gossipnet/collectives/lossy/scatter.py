@@ -25,9 +25,9 @@ from gossipnet.collectives.lossy.packets import (
     COPY_LAG,
     YIELD_EVERY,
     Send,
+    bundled,
     chunk_ids,
     compressed_fields,
-    packet_room,
     send_copies,
     send_copy,
     unbundle,
@@ -133,16 +133,9 @@ def compressed_rs(
     codec = rnd.codec
     assert codec is not None
     records = [(c, *codec.encode_rs(rnd, owner, b, c)) for c in chunks]
-    fields = {**rnd.ident, "b": b, "w": weight, "dt": "u8"}
-    plan = rnd.plans[b]
-    packets = []
-    for run in bundle.group(records, packet_room(ctx.node)):
-        c, z, payload = run[0] if len(run) == 1 else (run[0][0], bundle.BUNDLE, bundle.pack(run))
-        fields.update(c=c, n=len(payload), z=int(z))
-        frames = ctx.node.encode_for((owner,), ctx.k.rs_data, fields, payload)
-        codec.sent(frames, rnd.redundancy, sum(plan.chunk(r[0])[1] for r in run) * 4)
-        packets.append(frames)
-    return packets
+    fields: dict[str, object] = {**rnd.ident, "b": b, "w": weight, "dt": "u8"}
+    kind, plan = ctx.k.rs_data, rnd.plans[b]
+    return bundled(ctx.node, codec, kind, (owner,), fields, records, plan, rnd.redundancy)
 
 
 def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
