@@ -464,7 +464,9 @@ def _count_runs(monkeypatch: Any, *, apart: bool) -> list[int]:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("loss", [0.0, 0.2], ids=["lossless", "loss20"])
+@pytest.mark.parametrize(
+    ("loss", "copies"), [(0.0, 1), (0.2, 1), (0.2, 2)], ids=["lossless", "loss20", "loss20-x2"]
+)
 def test_light_chunks_share_packets_and_change_nothing(
     run_async: Callable[..., Any],
     cluster: Any,
@@ -472,11 +474,13 @@ def test_light_chunks_share_packets_and_change_nothing(
     cfg: Config,
     monkeypatch: Any,
     loss: float,
+    copies: int,
 ) -> None:
     """Accordion after its first interval (the critical density 0.1 sizes the chunks,
     the calm 0.01 is in force): consecutive chunks share packets, so far fewer data
     packets go out than chunks; lossless, every peer's result is bit-identical to
-    sending each chunk alone; at 20% loss the error-feedback ledger still balances."""
+    sending each chunk alone; at 20% loss the error-feedback ledger still balances,
+    with every bundle sent once or twice (``redundancy=2``: a copy is a duplicate)."""
     spec = Accordion(low=ArcTopK(density=0.1), high=ArcTopK(density=0.01), interval=2)
     make = grads(8)
 
@@ -484,7 +488,8 @@ def test_light_chunks_share_packets_and_change_nothing(
         lengths = _count_runs(monkeypatch, apart=apart)
         clock = FakeClock()
         plan = (lambda i: FaultPlan(loss=loss, seed=130 + i)) if loss else None
-        async with cluster(N, config=cfg, clock=clock, faults=plan) as nodes:
+        config = cfg.replace(redundancy=copies)
+        async with cluster(N, config=config, clock=clock, faults=plan) as nodes:
             sessions = [CompressSession(spec) for _ in range(N)]
             for s in sessions:
                 s.ledger = Ledger()
