@@ -46,6 +46,9 @@ gloo and DDP+PowerSGD baselines) is ``--testbed`` (``_compression_testbed.py``).
     .venv/bin/python bench/compression.py --quick --rows dense arctopk --values int8
     .venv/bin/python bench/compression.py --tasks demo --losses 0 --seeds 5 --values int8 \
         --rows accordion@0.1/0.015/20 arctopk@0.04 arctopk@0.05 arctopk@0.06 arctopk@0.07
+
+``--seed-from K`` starts at seed K, so a second run adds seeds to a first one (each
+prints one line per seed; medians over both are the reader's).
 """
 
 from __future__ import annotations
@@ -355,6 +358,9 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", default=None)
     parser.add_argument("--losses", nargs="+", type=float, default=[0.0, 0.1])
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the dense and arctopk rows")
+    parser.add_argument(
+        "--seed-from", type=int, default=0, help="first seed (more seeds in a second run)"
+    )
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--chunk-bytes", type=int, default=4096)
@@ -392,7 +398,7 @@ def main() -> None:
                 # every row that decides a target: --seeds (Accordion and its static peers too)
                 decides = row in ("dense", "arctopk") or row.startswith(("arctopk@", "accordion"))
                 seeds = args.seeds if decides else 1
-                for seed in range(seeds):
+                for seed in range(args.seed_from, args.seed_from + seeds):
                     settings.append(
                         Setting(
                             task,
