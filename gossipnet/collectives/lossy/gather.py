@@ -177,7 +177,7 @@ async def send_ag(
             frames = node.encode_for(others, kind, fields, payload)
             if rnd.codec is not None:
                 rnd.codec.sent(frames, len(others) * rnd.redundancy, count * 4)
-            rnd.sent += node.send_frames(others, frames)
+            rnd.sent += node.send_frames(others, frames, group_bytes=rnd.group_bytes)
             if copies is not None:
                 copies.append((others, frames))
                 if len(copies) > COPY_LAG:
@@ -212,7 +212,7 @@ def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
     }
     frames = node.encode_for(others, ctx.k.ag_end, end)
     for _ in range(copies):
-        node.send_frames(others, frames)
+        node.send_frames(others, frames, group_bytes=rnd.group_bytes)
 
 
 def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
