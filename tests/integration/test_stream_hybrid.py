@@ -84,6 +84,8 @@ def test_a_large_group_takes_the_alias_a_small_one_the_stream_each_in_order(
     1 MiB: every packet of each round (data and END) takes one channel, the large
     one the alias, the small one the stream, and each arrives in its send order."""
 
+    assert SMALL <= STREAM_GROUP_MAX_BYTES < LARGE  # the premise: one each side
+
     async def main() -> None:
         rx, tx, got = await _pair(Config(local_stream=True))
         channels = _Channels(tx)
