@@ -164,3 +164,25 @@ def test_without_a_stream_every_group_takes_zeromq_in_order(wait_until: Any) -> 
         await rx.close()
 
     asyncio.run(main())
+
+
+def test_a_peer_that_closes_leaves_neither_its_stream_nor_its_alias_open(
+    wait_until: Any,
+) -> None:
+    """The alias dialed beside a stream goes when the stream's receiver closes (a
+    peer that left): 50 guests joining and leaving must not leave 50 sockets."""
+
+    async def main() -> None:
+        rx, tx, got = await _pair(Config(local_stream=True))
+        assert tx.send(rx.address, [b"hello"])
+        ready = lambda: tx._routes.ready_alias(rx.address) is not None  # noqa: E731
+        await wait_until(ready, WAIT_S, what="the alias to connect")
+        await wait_until(lambda: len(got) == 1, WAIT_S, what="the packet")
+        await rx.close()
+        assert tx._streams is not None
+        gone = lambda: not tx._streams.writers and rx.address not in tx._routes.push  # type: ignore[union-attr] # noqa: E731
+        await wait_until(gone, WAIT_S, what="both sockets to close")
+        assert not tx._routes.is_local(rx.address)
+        await tx.close()
+
+    asyncio.run(main())

@@ -336,6 +336,9 @@ class ZmqTransport(Transport):
         if self._scheme != "tcp" or not (self.config.local_ipc and self.config.local_stream):
             return
         self._streams = StreamRoutes(self.config, loop, self.stats, self.clock.now)
+        # the alias dialed beside a stream (``send``) goes with it: a peer that left
+        # holds no socket of ours; a later send dials again
+        self._streams.on_broken = self._routes.forget
         host, port = split_host_port(split_address(endpoint)[1])
         path = stream_path(port) if host in (ALIASED_HOST, "0.0.0.0") else None
         if path is None:
