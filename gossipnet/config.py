@@ -74,7 +74,7 @@ class Config:
             rounds, while at 4 MiB per packet ZeroMQ's I/O thread makes the kernel
             copies beside the loop's reduction.  A 1M float32 all-reduce across four
             local processes: 1.28x gloo's time against 1.48x with the alias alone;
-            25M: 0.90x either way (medians of five paired runs, docs/benchmarks.md,
+            25M: 0.88x against 0.90x (medians of seven paired runs, docs/benchmarks.md,
             "Issue 21, session 16").  Peers without the stream are reached as before.
             False: ZeroMQ's alias for everything.
     Wire
