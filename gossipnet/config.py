@@ -63,18 +63,20 @@ class Config:
             all-reduce across four local processes takes 0.99x gloo's time with it,
             1.41x without (``bench/allreduce.py``, rows ``gossipnet`` and
             ``gossipnet tcp``).
-        local_stream: with ``local_ipc``, send to peers on ``127.0.0.1`` over a Unix
+        local_stream: with ``local_ipc``, also reach peers on ``127.0.0.1`` over a Unix
             stream socket that the event loop reads and writes itself, not through
             ZeroMQ's I/O threads (``transport/zeromq/local_stream.py``; same private
-            directory, same unsigned payloads); peers without it are reached as
-            before.  Why: each thread hand-off after an idle gap costs scheduling
-            latency.  A 1M float32 all-reduce across four local processes: 1.17x
-            gloo's time against 1.27x over ZeroMQ's alias (medians of three runs);
-            25M: 0.92x against 0.88x, but 1.01-1.08x in three of five runs, where the
-            loop makes the kernel copies ZeroMQ's I/O thread made in parallel
-            (docs/benchmarks.md, "Issue 21, session 15").  Off by default, so large
-            all-reduces keep ZeroMQ's parallel copies; turn it on where small
-            collectives dominate.  False: ZeroMQ's alias.
+            directory, same unsigned payloads), and choose per collective round: rounds
+            of chunks up to 1 MiB take the stream, larger ones ZeroMQ's alias
+            (``Transport.send``'s ``group_bytes``; one round never splits across the
+            two, so its END never overtakes its data).  Why: each thread hand-off
+            after an idle gap costs scheduling latency, which the stream saves small
+            rounds, while at 4 MiB per packet ZeroMQ's I/O thread makes the kernel
+            copies beside the loop's reduction.  A 1M float32 all-reduce across four
+            local processes: 1.28x gloo's time against 1.48x with the alias alone;
+            25M: 0.88x against 0.90x (medians of seven paired runs, docs/benchmarks.md,
+            "Issue 21, session 16").  Peers without the stream are reached as before.
+            False: ZeroMQ's alias for everything.
     Wire
         max_header_bytes: larger msgpack headers are dropped before parsing.
         max_payload_bytes: larger payloads are dropped before any copy.
@@ -151,7 +153,7 @@ class Config:
     tune_malloc: bool = True
     gc_freeze: bool = True
     local_ipc: bool = True
-    local_stream: bool = False
+    local_stream: bool = True
     # wire
     max_header_bytes: int = 2048
     max_payload_bytes: int = 4 * 1024 * 1024

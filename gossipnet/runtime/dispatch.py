@@ -103,19 +103,25 @@ class PacketIO:
         kind: int,
         fields: Mapping[str, Any] | None = None,
         payload: Buffer = b"",
+        *,
+        group_bytes: int = 0,
     ) -> bool:
         """Fire-and-forget one packet to ``peer_id``; False if it was dropped locally.
 
         Node and membership kinds (below ``LossyKind.RS_DATA``) are sent ``urgent``: they
         never wait behind paced data, so heartbeats keep failure detection honest on
-        a slow link however much data is queued.
+        a slow link however much data is queued.  ``group_bytes``: see
+        :meth:`send_frames`.
         """
         address = self.membership.address_of(peer_id) if self.membership else None
         if address is None or self.transport is None or self.closed:
             return False
         local = self.transport.is_local(address)
         frames = self.codec.encode(kind, fields, payload, local=local, dst=peer_id)
-        return self.transport.send(address, frames, urgent=kind < _FIRST_DATA_KIND)
+        urgent = kind < _FIRST_DATA_KIND
+        if group_bytes:
+            return self.transport.send(address, frames, urgent=urgent, group_bytes=group_bytes)
+        return self.transport.send(address, frames, urgent=urgent)
 
     def encode_for(
         self,
@@ -163,20 +169,30 @@ class PacketIO:
             return 0
         return self.send_frames(peer_ids, self.encode_for(peer_ids, kind, fields, payload))
 
-    def send_frames(self, peer_ids: Sequence[str], frames: list[Buffer]) -> int:
+    def send_frames(
+        self, peer_ids: Sequence[str], frames: list[Buffer], *, group_bytes: int = 0
+    ) -> int:
         """Send already encoded ``frames`` to each of ``peer_ids``; how many were accepted.
 
         A second send of the same frames is the same packet (same sequence
         number): a receiver that got the first copy drops the second as a replay,
         which is what redundant copies (``Config.redundancy``) rely on.
+
+        ``group_bytes``: the packet is one of a collective round's, whose largest
+        payload is this many bytes (``Transport.send``); every packet of the round,
+        data, ENDs, parity and repairs alike, passes the same value, so a
+        transport with two channels to a peer keeps the round on one of them.
         """
         if self.transport is None or self.closed:
             return 0
-        sent = 0
+        send, sent = self.transport.send, 0
         for peer_id in peer_ids:
             address = self.membership.address_of(peer_id) if self.membership else None
             if address is not None:
-                sent += self.transport.send(address, frames)
+                if group_bytes:
+                    sent += send(address, frames, group_bytes=group_bytes)
+                else:
+                    sent += send(address, frames)
         return sent
 
     def encode_run(
@@ -192,16 +208,21 @@ class PacketIO:
         local, dst = self._destination(peer_ids)
         return self.codec.encode_run(kind, common, rows, payloads, local=local, dst=dst)
 
-    def send_batch(self, peer_ids: Sequence[str], packets: Sequence[list[Buffer]]) -> int:
+    def send_batch(
+        self, peer_ids: Sequence[str], packets: Sequence[list[Buffer]], *, group_bytes: int = 0
+    ) -> int:
         """:meth:`send_frames` of each of ``packets``, handed to the transport per
         destination as a run (``Transport.send_batch``); how many were accepted."""
         if self.transport is None or self.closed or not packets:
             return 0
-        sent = 0
+        send_batch, sent = self.transport.send_batch, 0
         for peer_id in peer_ids:
             address = self.membership.address_of(peer_id) if self.membership else None
             if address is not None:
-                sent += self.transport.send_batch(address, packets)
+                if group_bytes:
+                    sent += send_batch(address, packets, group_bytes=group_bytes)
+                else:
+                    sent += send_batch(address, packets)
         return sent
 
     def send_to_address(

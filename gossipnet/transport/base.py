@@ -119,23 +119,41 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
-    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
+    def send(
+        self,
+        dst: str,
+        frames: Sequence[Buffer],
+        *,
+        urgent: bool = False,
+        group_bytes: int = 0,
+    ) -> bool:
         """Queue one packet for ``dst``; True if handed to the backend, False if dropped.
 
         ``urgent``: a small control packet (membership, heartbeats) that must not
         wait behind queued data, e.g. in the UDP backend's pacer, where seconds of
         paced data would otherwise delay heartbeats into false failure reports.
         Backends without a user-space send queue ignore it.
+
+        ``group_bytes``: the packet belongs to a group (a collective's round) whose
+        largest payload is this many bytes; 0 = no group.  A backend with more than
+        one channel to a destination may pick the channel from this number, and
+        from it alone, so every packet of one group (sent with one value) takes one
+        channel and keeps its order.  Backends with one channel ignore it.
         """
 
-    def send_batch(self, dst: str, packets: Sequence[Sequence[Buffer]]) -> int:
+    def send_batch(
+        self, dst: str, packets: Sequence[Sequence[Buffer]], *, group_bytes: int = 0
+    ) -> int:
         """Queue several data packets for ``dst``; how many were handed to the backend.
 
         Each packet is its own datagram or message, exactly as :meth:`send` sends
         it (and counts its drops): a backend that can take a run at once (the
         UDP backend resolves ``dst`` and checks sizes once) overrides this.
+        ``group_bytes`` as for :meth:`send`.
         """
         send = self.send
+        if group_bytes:
+            return sum(send(dst, frames, group_bytes=group_bytes) for frames in packets)
         return sum(send(dst, frames) for frames in packets)
 
     @abc.abstractmethod

@@ -247,7 +247,14 @@ class FaultyTransport(Transport):
         self._count(link, counter)
         return True  # lost in the network: the sender cannot tell
 
-    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
+    def send(
+        self,
+        dst: str,
+        frames: Sequence[Buffer],
+        *,
+        urgent: bool = False,
+        group_bytes: int = 0,
+    ) -> bool:
         """Apply the plan to one packet for ``dst``; forward it now or on a timer.
 
         Returns True for packets the faults drop (as for network loss) or delay,
@@ -290,24 +297,37 @@ class FaultyTransport(Transport):
             self._count(link, "reordered")
         ok, frozen = True, None
         if delay > 0.0:
-            frozen = self._delay(link, delay, dst, frames)
+            frozen = self._delay(link, delay, dst, frames, group_bytes)
         elif urgent:
             ok = self.inner.send(dst, frames, urgent=True)
         else:
-            ok = self.inner.send(dst, frames)
+            ok = self._forward(dst, frames, group_bytes)
         if u_dup < plan.duplicate:
-            self._duplicate(link, base + u_dup_jit * plan.jitter_s, dst, frames, frozen)
+            dup_s = base + u_dup_jit * plan.jitter_s
+            self._duplicate(link, dup_s, dst, frames, frozen, group_bytes)
         return ok
+
+    def _forward(self, dst: str, frames: Sequence[Buffer], group_bytes: int) -> bool:
+        """To the inner transport, with the group hint only where there is one (so
+        inner transports written before ``group_bytes`` existed still take control)."""
+        if group_bytes:
+            return self.inner.send(dst, frames, group_bytes=group_bytes)
+        return self.inner.send(dst, frames)
 
     # The two slow paths of send(), out of line: an undelayed packet never calls them.
     def _delay(
-        self, link: _LinkState, delay_s: float, dst: str, frames: Sequence[Buffer]
+        self,
+        link: _LinkState,
+        delay_s: float,
+        dst: str,
+        frames: Sequence[Buffer],
+        group_bytes: int,
     ) -> list[Buffer]:
         """Hold a packet that passed for ``delay_s`` on a timer; returns the frozen copy
         that the timer will send (a duplicate reuses it)."""
         self._count(link, "delayed")
         frozen = _frozen(frames)
-        self._later(delay_s, dst, frozen)
+        self._later(delay_s, dst, frozen, group_bytes)
         return frozen
 
     def _duplicate(
@@ -317,20 +337,22 @@ class FaultyTransport(Transport):
         dst: str,
         frames: Sequence[Buffer],
         frozen: list[Buffer] | None,
+        group_bytes: int,
     ) -> None:
         """Send the extra copy a duplicating network makes: now, or after its own delay
         ``delay_s``, from the original's frozen copy (``frozen``) when there is one."""
         self._count(link, "duplicated")
         if delay_s > 0.0:
-            self._later(delay_s, dst, frozen if frozen is not None else _frozen(frames))
+            copy = frozen if frozen is not None else _frozen(frames)
+            self._later(delay_s, dst, copy, group_bytes)
         else:
-            self.inner.send(dst, frames)
+            self._forward(dst, frames, group_bytes)
 
-    def _later(self, delay_s: float, dst: str, frames: list[Buffer]) -> None:
+    def _later(self, delay_s: float, dst: str, frames: list[Buffer], group_bytes: int) -> None:
         token = next(self._timer_ids)
-        callback = functools.partial(self._fire, token, dst, frames)
+        callback = functools.partial(self._fire, token, dst, frames, group_bytes)
         self._timers[token] = self.clock.call_later(delay_s, callback)
 
-    def _fire(self, token: int, dst: str, frames: list[Buffer]) -> None:
+    def _fire(self, token: int, dst: str, frames: list[Buffer], group_bytes: int) -> None:
         if self._timers.pop(token, None) is not None and not self._closed:
-            self.inner.send(dst, frames)
+            self._forward(dst, frames, group_bytes)

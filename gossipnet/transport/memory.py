@@ -140,7 +140,14 @@ class MemoryTransport(Transport):
         self._handler = handler
         return self.address
 
-    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
+    def send(
+        self,
+        dst: str,
+        frames: Sequence[Buffer],
+        *,
+        urgent: bool = False,
+        group_bytes: int = 0,  # one channel: ignored
+    ) -> bool:
         """Copy the frames and schedule their delivery to ``dst``; never blocks.
 
         Returns False (and counts why) when this endpoint is closed or not started

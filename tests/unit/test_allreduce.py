@@ -1043,7 +1043,7 @@ def test_no_end_markers_on_a_quiet_network_and_copies_once_loss_shows(
             engines = engines_of(nodes)
             send = nodes[0].transport.send
 
-            def spy(dst: str, frames: Any, *, urgent: bool = False) -> bool:
+            def spy(dst: str, frames: Any, *, urgent: bool = False, group_bytes: int = 0) -> bool:
                 head = bytes(frames[0])  # data packets have a fixed header: never an END
                 is_data = head[0] == wire_fixed.MAGIC
                 if not is_data and msgpack.unpackb(head)["k"] in (
@@ -1051,7 +1051,7 @@ def test_no_end_markers_on_a_quiet_network_and_copies_once_loss_shows(
                     LossyKind.AG_END,
                 ):
                     ends[0] += 1
-                return bool(send(dst, frames, urgent=urgent))
+                return bool(send(dst, frames, urgent=urgent, group_bytes=group_bytes))
 
             nodes[0].transport.send = spy  # type: ignore[method-assign]
             # from round 8 on, p1 loses everything p2 sends it in the reduce-scatter

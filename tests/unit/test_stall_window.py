@@ -47,17 +47,19 @@ def _stall_after(node: Any, sends: int) -> None:
         for dst, frames in held:
             send(dst, frames)
 
-    def holding_send(dst: str, frames: Sequence[Any], *, urgent: bool = False) -> bool:
+    def holding_send(
+        dst: str, frames: Sequence[Any], *, urgent: bool = False, group_bytes: int = 0
+    ) -> bool:
         if left[0] > 0:
             left[0] -= 1
-            return bool(send(dst, frames, urgent=urgent))
+            return bool(send(dst, frames, urgent=urgent, group_bytes=group_bytes))
         if not held:
             asyncio.get_running_loop().call_later(STALL_S, release)
         held.append((dst, [bytes(f) for f in frames]))  # what a socket buffer would hold
         return True
 
-    def holding_batch(dst: str, packets: Sequence[Sequence[Any]]) -> int:
-        return sum(holding_send(dst, frames) for frames in packets)
+    def holding_batch(dst: str, packets: Sequence[Sequence[Any]], *, group_bytes: int = 0) -> int:
+        return sum(holding_send(dst, frames, group_bytes=group_bytes) for frames in packets)
 
     transport.send, transport.send_batch = holding_send, holding_batch
 

@@ -158,7 +158,7 @@ async def send_ag(
         raw = _broadcast_bytes(rnd, shard, value)
         packets = _compressed_ag(ctx, rnd, shard, encoded, others) if encoded else []
         for frames in itertools.chain(packets, _dense_ag(ctx, rnd, shard, raw, encoded, others)):
-            rnd.sent += node.send_frames(others, frames)
+            rnd.sent += node.send_frames(others, frames, group_bytes=rnd.group_bytes)
             if copies is not None:
                 copies.append((others, frames))
                 if len(copies) > COPY_LAG:
@@ -247,7 +247,7 @@ def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
     }
     frames = node.encode_for(others, ctx.k.ag_end, end)
     for _ in range(copies):
-        node.send_frames(others, frames)
+        node.send_frames(others, frames, group_bytes=rnd.group_bytes)
 
 
 def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:

@@ -95,7 +95,7 @@ def send_copy(node: Node, rnd: Round, send: Send) -> None:
     """
     peers, frames = send
     for _ in range(rnd.redundancy - 1):
-        n = node.send_frames(peers, frames)
+        n = node.send_frames(peers, frames, group_bytes=rnd.group_bytes)
         rnd.sent += n
         rnd.copies_sent += n
 

@@ -174,7 +174,8 @@ def send_parity(
     sent = 0
     for g, parity in enumerate(parities(raw, width, k, scratch)):
         head = {**fields, "b": b, "g": g, "gs": k, "n": parity.nbytes}
-        sent += node.send_frames(dests, node.encode_for(dests, kind, head, parity))
+        frames = node.encode_for(dests, kind, head, parity)
+        sent += node.send_frames(dests, frames, group_bytes=rnd.group_bytes)
     rnd.parity_sent += sent
     return sent
 

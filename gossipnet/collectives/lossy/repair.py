@@ -52,6 +52,7 @@ async def repair(ctx: PhaseContext, rnd: Round, deadline: float) -> bool:
                     ctx.k.repair,
                     {"r": rnd.r, "b": b, "dt": "i32", "n": part.numel()},
                     as_bytes(part),
+                    group_bytes=rnd.group_bytes,
                 )
         await clock.sleep(min(interval, max(0.0, deadline - clock.now())))
 
@@ -92,5 +93,6 @@ def serve_repair(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
             "dt": code,
             "n": count,
         }
-        if ctx.node.send(pkt.src, ctx.k.ag_data, fields, raw[span.start - base : span.stop - base]):
+        payload = raw[span.start - base : span.stop - base]
+        if ctx.node.send(pkt.src, ctx.k.ag_data, fields, payload, group_bytes=rnd.group_bytes):
             rnd.sent += 1

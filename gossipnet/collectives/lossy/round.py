@@ -171,6 +171,9 @@ class Round:
             for b, cb in zip(self.src, chunk_bytes, strict=True)
         ]
         self.maps = [ShardMap(plan, participants) for plan in self.plans]
+        # every packet of the round says so to the transport (``Transport.send``), which
+        # then keeps them on one channel per peer: an END never overtakes its data
+        self.group_bytes = max((p.chunk_bytes for p in self.plans), default=0)
         self._ag_expect: dict[str, int] = {}  # ag_expected's answers
         # what every data packet carries so that no other layout is mixed in (.round_id)
         self.layout, self.layout_desc = layout_of(self.plans)

@@ -92,7 +92,7 @@ async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
                 rows = [(b, c, plan.chunk(c)[1]) for c in chunks]
                 payloads = [raw[plan.byte_slice(c)] for c in chunks]
                 packets = node.encode_run((owner,), kind, common, rows, payloads)
-            rnd.sent += node.send_batch((owner,), packets)
+            rnd.sent += node.send_batch((owner,), packets, group_bytes=rnd.group_bytes)
             per_dest[owner] += len(chunks)  # ENDs count chunks (a bundle holds several)
             if copies is not None:
                 for frames in packets:
@@ -157,7 +157,7 @@ def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
             }
             frames = node.encode_for((peer,), ctx.k.rs_end, end)
             for _ in range(copies):
-                node.send_frames((peer,), frames)
+                node.send_frames((peer,), frames, group_bytes=rnd.group_bytes)
 
 
 def rs_order(rnd: Round) -> list[tuple[str, int, int]]:

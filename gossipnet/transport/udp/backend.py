@@ -382,7 +382,14 @@ class UdpTransport(Transport):
             _log.exception("packet handler raised on %s; packet dropped", self.address)
 
     # ------------------------------------------------------------------ send
-    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
+    def send(
+        self,
+        dst: str,
+        frames: Sequence[Buffer],
+        *,
+        urgent: bool = False,
+        group_bytes: int = 0,  # one channel: ignored
+    ) -> bool:
         """Send one packet to ``dst`` as one datagram; False = dropped and counted.
 
         Drops:
@@ -421,7 +428,9 @@ class UdpTransport(Transport):
             return False
         return True
 
-    def send_batch(self, dst: str, packets: Sequence[Sequence[Buffer]]) -> int:
+    def send_batch(
+        self, dst: str, packets: Sequence[Sequence[Buffer]], *, group_bytes: int = 0
+    ) -> int:
         """:meth:`send` for a run of packets to ``dst``: one address lookup, and
         straight into the GSO batch sender; same datagrams, same counted drops."""
         batch = self._batch

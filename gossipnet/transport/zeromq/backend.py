@@ -62,7 +62,12 @@ from gossipnet.transport.base import (
     is_frozen,
 )
 from gossipnet.transport.zeromq.local_ipc import ALIASED_HOST, alias_path, stream_path
-from gossipnet.transport.zeromq.local_stream import MAX_FRAMES, StreamInbox, StreamWriter
+from gossipnet.transport.zeromq.local_stream import (
+    MAX_FRAMES,
+    STREAM_GROUP_MAX_BYTES,
+    StreamInbox,
+    StreamWriter,
+)
 from gossipnet.transport.zeromq.routes import PushRoutes
 from gossipnet.transport.zeromq.stream_routes import StreamRoutes
 
@@ -331,6 +336,9 @@ class ZmqTransport(Transport):
         if self._scheme != "tcp" or not (self.config.local_ipc and self.config.local_stream):
             return
         self._streams = StreamRoutes(self.config, loop, self.stats, self.clock.now)
+        # the alias dialed beside a stream (``send``) goes with it: a peer that left
+        # holds no socket of ours; a later send dials again
+        self._streams.on_broken = self._routes.forget
         host, port = split_host_port(split_address(endpoint)[1])
         path = stream_path(port) if host in (ALIASED_HOST, "0.0.0.0") else None
         if path is None:
@@ -437,8 +445,23 @@ class ZmqTransport(Transport):
         return True
 
     # ------------------------------------------------------------------ send
-    def send(self, dst: str, frames: Sequence[Buffer], *, urgent: bool = False) -> bool:
+    def send(
+        self,
+        dst: str,
+        frames: Sequence[Buffer],
+        *,
+        urgent: bool = False,
+        group_bytes: int = 0,
+    ) -> bool:
         """Queue one packet for ``dst`` without blocking; False = dropped and counted.
+
+        Same-host destinations with a loop-served stream (``Config.local_stream``)
+        get it there, unless ``group_bytes`` is above
+        :data:`~.local_stream.STREAM_GROUP_MAX_BYTES` and their ZeroMQ alias is
+        connected: then over the alias.  The choice depends on ``group_bytes`` and
+        on which channels are up, so one group's packets share a channel (the alias
+        answers within a millisecond of the first packet to ``dst``, long before a
+        collective's first round).
 
         Drops: ``dropped_queue_full`` when ``dst``'s queue is at SNDHWM or its
         connection is not up (yet, or any more); ``dropped_oversize`` above
@@ -450,6 +473,12 @@ class ZmqTransport(Transport):
         if self._streams is not None:
             writer = self._streams.writer(dst)
             if writer is not None:
+                if dst not in routes.push:
+                    routes.ready_alias(dst)  # start connecting it for large groups
+                if group_bytes > STREAM_GROUP_MAX_BYTES:
+                    alias = routes.ready_alias(dst)
+                    if alias is not None:
+                        return self._push(alias, frames)
                 return self._send_stream(writer, frames)
         sock = routes.push.get(dst)
         if sock is None:
@@ -462,6 +491,15 @@ class ZmqTransport(Transport):
                 return False
         elif routes.next and dst in routes.next:
             sock = routes.take_over(dst, sock)
+        if not self._push(sock, frames):
+            return False
+        if routes.unaliased and dst in routes.unaliased:
+            routes.look_for_alias(dst)
+        return True
+
+    def _push(self, sock: zmq.Socket[bytes], frames: Sequence[Buffer]) -> bool:
+        """One packet onto a PUSH socket, as one multipart message; counted."""
+        stats = self.stats
         sizes = [_nbytes(frame) for frame in frames]
         nbytes = sum(sizes)
         if nbytes > self._max_packet:
@@ -486,8 +524,6 @@ class ZmqTransport(Transport):
             return False
         stats.sent_packets += 1
         stats.sent_bytes += nbytes
-        if routes.unaliased and dst in routes.unaliased:
-            routes.look_for_alias(dst)
         return True
 
     def _send_stream(self, writer: StreamWriter, frames: Sequence[Buffer]) -> bool:

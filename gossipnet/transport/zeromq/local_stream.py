@@ -53,7 +53,14 @@ import numpy as np
 
 from gossipnet.transport.base import Buffer, LocalFrames, TransportStats, is_frozen
 
-__all__ = ("MAX_QUEUED_BYTES", "RETRY_S", "StreamInbox", "StreamWriter", "encode_prefix")
+__all__ = (
+    "MAX_QUEUED_BYTES",
+    "RETRY_S",
+    "STREAM_GROUP_MAX_BYTES",
+    "StreamInbox",
+    "StreamWriter",
+    "encode_prefix",
+)
 
 _log = logging.getLogger(__name__)
 
@@ -64,6 +71,15 @@ MAX_FRAMES = 16
 MAX_QUEUED_BYTES = 64 * 1024 * 1024
 #: After a failed connect or a broken connection, the ZeroMQ path is used this long.
 RETRY_S = 1.0
+#: Groups (a collective's rounds, ``Transport.send``'s ``group_bytes``) of packets up
+#: to this size take the stream; larger ones take ZeroMQ's alias where it is connected.
+#: Why: with 1 MiB packets (1M float32 over 4 peers) the stream's single wake-up per
+#: packet wins (1.19x gloo against the alias's ~1.27x), but at 4 MiB per packet the
+#: loop thread makes every kernel copy that ZeroMQ's I/O thread made beside the
+#: reduction (25M: 1.06x gloo against 0.85-0.95x; docs/benchmarks.md, "Issue 21,
+#: sessions 15 and 16").  Every packet of one group takes one channel: no reordering
+#: of a round's END ahead of its data.
+STREAM_GROUP_MAX_BYTES = 1024 * 1024
 #: Kernel send buffer asked for (capped by ``net.core.wmem_max``): a 4 MiB
 #: packet then leaves in one ``sendmsg`` instead of several writable wake-ups.
 SNDBUF_BYTES = 4 * 1024 * 1024

@@ -45,6 +45,7 @@ class PushRoutes:
         #: 127.0.0.1 dst -> port, dialed over TCP while no alias answered
         self.unaliased: dict[str, str] = {}
         self._aliased: set[str] = set()  # dsts whose socket in ``push`` is their alias
+        self._ready: set[str] = set()  # aliased dsts whose socket accepted packets once
 
     def open(self, dst: str) -> zmq.Socket[bytes] | None:
         """A connected PUSH socket for ``dst``, or None if ``dst`` is not ours to reach."""
@@ -135,6 +136,31 @@ class PushRoutes:
         sock.close(linger=0)
         return nxt
 
+    def ready_alias(self, dst: str) -> zmq.Socket[bytes] | None:
+        """``dst``'s alias socket once it accepts packets, else None (opening it if need be).
+
+        For a destination that also has a loop-served stream: large groups go
+        over the alias (``ZmqTransport.send``), and only once it is connected,
+        since ``IMMEDIATE=1`` drops what is sent before.  Called on the first
+        packet to ``dst`` to start connecting; once it answered, a dictionary
+        look-up and a set test.
+        """
+        sock = self.push.get(dst)
+        if sock is not None and dst in self._ready:
+            return sock
+        if sock is None:
+            sock = self.open(dst)
+            if sock is None:
+                return None
+        if dst in self.unaliased:  # dialed TCP: its alias may exist by now
+            self.look_for_alias(dst)
+        if dst in self.next:
+            sock = self.take_over(dst, sock)
+        if dst not in self._aliased or not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            return None
+        self._ready.add(dst)
+        return sock
+
     def is_local(self, dst: str) -> bool:
         """True once ``dst``'s packets go over its alias (they arrive as ``LocalFrames``)."""
         return dst in self._aliased
@@ -143,6 +169,7 @@ class PushRoutes:
         """Close ``dst``'s sockets (queued packets are discarded); a later send reopens."""
         self.unaliased.pop(dst, None)
         self._aliased.discard(dst)
+        self._ready.discard(dst)
         for sock in (self.push.pop(dst, None), self.next.pop(dst, None)):
             if sock is not None:
                 sock.close(linger=0)
@@ -155,3 +182,4 @@ class PushRoutes:
         self.next.clear()
         self.unaliased.clear()
         self._aliased.clear()
+        self._ready.clear()

@@ -51,6 +51,9 @@ class StreamRoutes:
         self._now = now
         self.writers: dict[str, StreamWriter] = {}
         self._skip: dict[str, float] = {}  # dst -> when to try its stream again
+        #: called with a destination whose stream broke (its receiver closed, most
+        #: often because it left): the backend closes the alias it held open beside it
+        self.on_broken: Callable[[str], None] | None = None
 
     def writer(self, dst: str) -> StreamWriter | None:
         """The stream to ``dst`` (connecting it if due), or None: use ZeroMQ."""
@@ -98,6 +101,8 @@ class StreamRoutes:
             if have is w:
                 del self.writers[dst]
                 self._skip[dst] = self._now() + RETRY_S
+                if self.on_broken is not None:
+                    self.on_broken(dst)
 
     def is_local(self, dst: str) -> bool:
         return dst in self.writers
