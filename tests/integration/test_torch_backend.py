@@ -94,7 +94,10 @@ def test_ddp_script_under_torchrun_trains_as_well_as_gloo() -> None:
     assert clean["lossy_rounds"] == clean["steps"]
     assert clean["packets_lost"] == 0
     assert lossy["packets_lost"] > 0  # the loss happened, and was counted
-    assert lossy["test_loss"] <= 1.01 * gloo["test_loss"]
+    # One run at 10% loss, held to 2% as the Lightning test below and for its reason:
+    # which packets are lost depends on timing, and the 1% is the bench's median
+    # over seeds (bench/backend.py); single clean-clone CI runs read up to 1.0106 here.
+    assert lossy["test_loss"] <= 1.02 * gloo["test_loss"]
     for run in (clean, lossy):  # repair keeps every replica the same
         assert len(set(run["test_loss_ranks"])) == 1, run
 
