@@ -215,18 +215,16 @@ def _compressed_ag(
     encoded: dict[int, tuple[int, bytes]],
     others: list[str],
 ) -> list[list[Buffer]]:
-    """The packets of our compressed broadcast of ``shard``: its chunks with an
-    average (``encoded``), consecutive ones sharing a packet while they fit
-    (:mod:`.bundle`); one encoding (one MAC) for every destination."""
+    """The packets of our compressed broadcast of ``shard``: ``encoded`` (its chunks
+    with an average, in chunk order, :func:`_encode_shard`), consecutive ones sharing
+    a packet while they fit (:mod:`.bundle`); one encoding (one MAC) for every
+    destination."""
     codec = rnd.codec
     assert codec is not None
     b = shard.bucket
-    plan, owned = rnd.plans[b], rnd.owned[b]
-    records = []
-    for c in owned:
-        if shard.weights[c - owned.start] > 0 and c in encoded:
-            rnd.ag_chunks_sent += 1
-            records.append((c, *encoded[c]))
+    records = [(c, z, payload) for c, (z, payload) in encoded.items()]
+    rnd.ag_chunks_sent += len(records)
+    plan = rnd.plans[b]
     fields: dict[str, object] = {**rnd.ident, "b": b, "dt": "u8"}
     copies = len(others) * rnd.redundancy
     return bundled(ctx.node, codec, ctx.k.ag_data, others, fields, records, plan, copies)
