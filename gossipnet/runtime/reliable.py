@@ -46,11 +46,20 @@ async def wait_future(clock: Clock, fut: asyncio.Future[Any], timeout_s: float) 
     """
     if fut.done():
         return
-    sleeper = asyncio.ensure_future(clock.sleep(timeout_s))
+    # one gate future opened by ``fut`` or the timer: no sleeper task, no asyncio.wait
+    gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def open_gate(_: object = None) -> None:
+        if not gate.done():
+            gate.set_result(None)
+
+    timer = clock.call_later(max(0.0, timeout_s), open_gate)
+    fut.add_done_callback(open_gate)
     try:
-        await asyncio.wait({fut, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+        await gate
     finally:
-        sleeper.cancel()
+        timer.cancel()
+        fut.remove_done_callback(open_gate)
     if not fut.done():
         raise TimeoutError
 

@@ -12,7 +12,6 @@ must not be cut.  Runs on the loop thread, once per wake-up, not per packet.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import statistics
 from collections.abc import Callable
@@ -205,13 +204,7 @@ async def wait_phase(
         wake_at = min(cut_at, next_announce) if announce is not None else cut_at
         wake_at = min([wake_at, *(phase.hold[p] for p in pending if p in phase.hold)])
         phase.wake.clear()
-        waiter = asyncio.ensure_future(phase.wake.wait())
-        try:
-            await node._wait_future(waiter, max(0.0, wake_at - now))
-        except TimeoutError:
-            pass
-        finally:
-            waiter.cancel()
+        await phase.wake.wait(clock, wake_at - now)
     return True
 
 

@@ -10,7 +10,6 @@ arithmetic alone), which all-gather chunks arrived, and the
 
 from __future__ import annotations
 
-import asyncio
 import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.reducer import ShardReducer
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.reports import CollectiveReport
+from gossipnet.runtime.waker import Waker
 from gossipnet.transport.wire import Packet
 
 __all__ = ("BufferPool", "Phase", "Round")
@@ -81,7 +81,7 @@ class Phase:
     hold: dict[str, float] = field(default_factory=dict)
     # senders cut mid-stream whose late packets already taught their stall (.cut.StallWindow)
     resumed: set[str] = field(default_factory=set)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    wake: Waker = field(default_factory=Waker)  # set on any change wait_phase must see
 
     @property
     def complete(self) -> bool:
