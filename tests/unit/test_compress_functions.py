@@ -272,6 +272,31 @@ def _round(spec: Any, me: str = "p0") -> Round:
     return rnd
 
 
+def _rs(tag: int, nprop: int, nvals: int, codec: int) -> bytes:
+    """A TOPK_RS payload's head (.payload): codec, set tag, then the varint counts."""
+    return struct.pack("<BQ", codec, tag) + bundle.uvarint(nprop) + bundle.uvarint(nvals)
+
+
+def _dct_rs(nnz: int, codec: int) -> bytes:
+    return struct.pack("<B", codec) + bundle.uvarint(nnz)
+
+
+def _ag(
+    tag: int,
+    prev: int,
+    nparts: int,
+    ncur: int,
+    nnext: int,
+    nvals: int,
+    vkind: int,
+    codec: int,
+    bitmaps: bytes = bytes(2),
+) -> bytes:
+    """A TOPK_AG payload's head: per-round fields, contributor bitmaps, varint counts."""
+    counts = b"".join(bundle.uvarint(k) for k in (ncur, nnext, nvals))
+    return struct.pack("<BBHQQ", codec, vkind, nparts, tag, prev) + bitmaps + counts
+
+
 def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Packet:
     fields = {"r": 5, "m": 0, "L": 0, "b": b, "c": c, "dt": "u8", "n": len(payload), "z": z, "w": w}
     return Packet(src, 1, 1, 16, fields, memoryview(payload))
@@ -292,58 +317,71 @@ def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Pa
         (
             DCT(density=0.05),
             Z.DCT_RS,
-            struct.pack("<IB", 1, 0) + struct.pack("<I", 99999) + bytes(4),
+            _dct_rs(1, 0) + struct.pack("<I", 99999) + bytes(4),
             "compressed_index",
         ),
         (
             DCT(density=0.05),
             Z.DCT_RS,
-            struct.pack("<IB", 2, 0) + struct.pack("<II", 5, 3) + bytes(8),
+            _dct_rs(2, 0) + struct.pack("<II", 5, 3) + bytes(8),
             "compressed_index",
         ),
-        (DCT(density=0.05), Z.DCT_RS, struct.pack("<IB", 3, 0) + bytes(8), "compressed_count"),
+        (DCT(density=0.05), Z.DCT_RS, _dct_rs(3, 0) + bytes(8), "compressed_count"),
         (
             ArcTopK(density=0.05),
             Z.TOPK_RS,
-            struct.pack("<QIIB", NONE, 1, 0, 0) + bytes(2),
+            _rs(NONE, 1, 0, 0) + bytes(2),
             "compressed_count",
         ),
         (ArcTopK(density=0.05), Z.TOPK_RS, b"\x01", "compressed_short"),
         (
             ArcTopK(density=0.05),
             Z.TOPK_RS,
-            struct.pack("<QIIBI", NONE, 1, 0, 0, 10**6) + bytes(2),
+            _rs(NONE, 1, 0, 0) + struct.pack("<I", 10**6) + bytes(2),
             "compressed_index",
         ),
         (
             ArcTopK(density=0.05),
             Z.TOPK_RS,
-            struct.pack("<QIIBI", NONE, 1, 0, 0, 0) + struct.pack("<H", 0xFFC0),  # bf16 NaN
+            _rs(NONE, 1, 0, 0) + struct.pack("<IH", 0, 0xFFC0),  # bf16 NaN
             "non_finite",
         ),
         (  # a peer with values="fp32" talking to one with "int8": never read as ours
             ArcTopK(density=0.05, values="int8"),
             Z.TOPK_RS,
-            struct.pack("<QIIB", NONE, 0, 1, 0) + struct.pack("<f", 1.0),
+            _rs(NONE, 0, 1, 0) + struct.pack("<f", 1.0),
             "compressed_kind",
         ),
-        (ArcTopK(density=0.05), Z.TOPK_RS, struct.pack("<QIIB", NONE, 0, 0, 7), "compressed_kind"),
+        (ArcTopK(density=0.05), Z.TOPK_RS, _rs(NONE, 0, 0, 7), "compressed_kind"),
+        (ArcTopK(density=0.05), Z.TOPK_RS, _rs(NONE, 10**6, 0, 0), "compressed_count"),
+        (
+            ArcTopK(density=0.05),
+            Z.TOPK_RS,
+            struct.pack("<BQ", 0, NONE) + b"\x80" * 5 + b"\x00",
+            "compressed_count",
+        ),
+        (
+            ArcTopK(density=0.05),
+            Z.TOPK_RS,
+            struct.pack("<BQ", 0, NONE) + b"\x80",
+            "compressed_short",
+        ),
         (
             DCT(density=0.05, values="bf16"),
             Z.DCT_RS,
-            struct.pack("<IB", 1, 2) + struct.pack("<I", 3) + struct.pack("<fb", 1.0, 5),
+            _dct_rs(1, 2) + struct.pack("<I", 3) + struct.pack("<fb", 1.0, 5),
             "compressed_kind",
         ),
         (
             ArcTopK(density=0.05, values="int8"),
             Z.TOPK_RS,
-            struct.pack("<QIIB", NONE, 0, 0, 2) + struct.pack("<f", float("inf")),
+            _rs(NONE, 0, 0, 2) + struct.pack("<f", float("inf")),
             "non_finite",
         ),
         (
             DCT(density=0.05, values="bf16"),
             Z.DCT_RS,
-            struct.pack("<IB", 1, 1) + struct.pack("<IH", 3, 0x7FC0),  # bf16 NaN value
+            _dct_rs(1, 1) + struct.pack("<IH", 3, 0x7FC0),  # bf16 NaN value
             "non_finite",
         ),
     ],
@@ -361,6 +399,9 @@ def _pkt(src: str, b: int, c: int, z: int, payload: bytes, w: float = 1.0) -> Pa
         "nan-sketch",
         "other-codec",
         "unknown-codec",
+        "count-beyond",
+        "overlong-count",
+        "cut-count",
         "dct-other-codec",
         "inf-int8-scale",
         "nan-bf16-value",
@@ -411,7 +452,7 @@ def test_forged_bundles_are_counted_and_their_records_checked_alone() -> None:
     c = rnd.owned[0].start
     other = rnd.maps[0].chunks_of("p1").start
     good = bundle.pack([(c, Z.TOPK_RS, b"x"), (c + 1, Z.TOPK_RS, b"y")])
-    nested = bundle.pack([(c, bundle.BUNDLE, good), (c + 1, Z.TOPK_RS, b"y")])
+    nested = bundle.pack([(c, bundle.BUNDLE, good), (c + 1, bundle.BUNDLE, good)])
     for payload in (good[:-1], nested):
         scatter.on_rs(ctx, rnd, _pkt("p1", 0, c, bundle.BUNDLE, payload))  # type: ignore[arg-type]
     assert ctx.dropped == {"bad_bundle": 2}
@@ -435,17 +476,15 @@ def test_forged_broadcasts_are_counted_drops() -> None:
     rnd.sending = False
     ctx = _Ctx()
     c = rnd.maps[0].chunks_of("p1").start
-    head = struct.Struct("<QQHIIIBB")
-    bad_set = head.pack(5, NONE, 4, 1, 0, 0, 0, 0) + bytes(2) + struct.pack("<I", 10**6)
-    wrong_parts = head.pack(5, NONE, 9, 0, 0, 0, 0, 0) + bytes(4)
+    bad_set = _ag(5, NONE, 4, 1, 0, 0, 0, 0) + struct.pack("<I", 10**6)
+    wrong_parts = _ag(5, NONE, 9, 0, 0, 0, 0, 0, bitmaps=bytes(4))
     nan_vals = (
-        head.pack(5, NONE, 4, 1, 0, 1, 1, 0)
-        + bytes(2)
+        _ag(5, NONE, 4, 1, 0, 1, 1, 0)
         + struct.pack("<I", 0)
         + bytes([1])  # the block's age
         + struct.pack("<f", float("nan"))
     )
-    zero_age = head.pack(5, NONE, 4, 1, 0, 0, 0, 0) + bytes(2) + struct.pack("<I", 0) + bytes(1)
+    zero_age = _ag(5, NONE, 4, 1, 0, 0, 0, 0) + struct.pack("<I", 0) + bytes(1)
     for payload in (bad_set, wrong_parts, nan_vals, zero_age):
         gather.on_ag(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_AG, payload))  # type: ignore[arg-type]
     assert ctx.dropped == {
@@ -464,13 +503,10 @@ def test_forged_coded_broadcasts_are_counted_drops() -> None:
     rnd.sending = False
     ctx = _Ctx()
     c = rnd.maps[0].chunks_of("p1").start
-    head = struct.Struct("<QQHIIIBB")
-    cur = bytes(2) + struct.pack("<I", 0) + bytes([1])  # bitmaps, set = block 0, its age
-    fp32_vals = head.pack(5, NONE, 4, 1, 0, 16, 0, 0) + cur + bytes(64)
-    inf_scale = (
-        head.pack(5, NONE, 4, 1, 0, 16, 0, 2) + cur + struct.pack("<f", float("inf")) + bytes(16)
-    )
-    short = head.pack(5, NONE, 4, 1, 0, 16, 0, 2) + cur + struct.pack("<f", 1.0) + bytes(15)
+    cur = struct.pack("<I", 0) + bytes([1])  # set = block 0, its age
+    fp32_vals = _ag(5, NONE, 4, 1, 0, 16, 0, 0) + cur + bytes(64)
+    inf_scale = _ag(5, NONE, 4, 1, 0, 16, 0, 2) + cur + struct.pack("<f", float("inf")) + bytes(16)
+    short = _ag(5, NONE, 4, 1, 0, 16, 0, 2) + cur + struct.pack("<f", 1.0) + bytes(15)
     for payload in (fp32_vals, inf_scale, short):
         gather.on_ag(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_AG, payload))  # type: ignore[arg-type]
     assert ctx.dropped == {"compressed_kind": 1, "non_finite": 1, "compressed_count": 1}
@@ -483,7 +519,7 @@ def test_values_at_another_set_arrive_with_weight_zero_and_are_counted() -> None
     rnd = _round(ArcTopK(density=0.05), me="p0")
     ctx = _Ctx()
     c = rnd.owned[0].start
-    payload = struct.pack("<QIIB", 77, 0, 3, 0) + struct.pack("<3f", 1.0, 2.0, 3.0)
+    payload = _rs(77, 0, 3, 0) + struct.pack("<3f", 1.0, 2.0, 3.0)
     part = scatter.rs_part(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_RS, payload))  # type: ignore[arg-type]
     assert part is not None
     _, _, _, values, weight, _ = part

@@ -50,16 +50,26 @@ from typing import Any
 import torch
 
 from gossipnet.collectives.compress import budget, dct, topk
-from gossipnet.collectives.compress.payload import NONE, Bad, Reader, Z, bitmap, in_bitmap, join
+from gossipnet.collectives.compress.payload import (
+    NONE,
+    Bad,
+    Reader,
+    Z,
+    bitmap,
+    in_bitmap,
+    join,
+    uvarint,
+)
 from gossipnet.collectives.compress.quant import CODEC_IDS, code_values
 from gossipnet.collectives.compress.state import SessionState as CompressSession
 
 __all__ = ("compress_own", "decode_ag", "decode_rs", "dct_threshold", "encode_ag", "encode_rs")
 
-_TOPK_RS = struct.Struct("<QIIB")
-_TOPK_AG = struct.Struct("<QQHIIIBB")
-_DCT_RS = struct.Struct("<IB")
-_DCT_AG = struct.Struct("<QHIBB")
+# the per-round fields first (a bundle's records share them, .payload); counts follow
+_TOPK_RS = struct.Struct("<BQ")
+_TOPK_AG = struct.Struct("<BBHQQ")
+_DCT_RS = struct.Struct("<B")
+_DCT_AG = struct.Struct("<BBHQ")
 _EMPTY = torch.zeros(0, dtype=torch.int64)
 
 dct_threshold = dct.threshold
@@ -125,7 +135,7 @@ def encode_rs(sess: CompressSession, rnd: Any, owner: str, b: int, c: int) -> tu
     if sess.family == "dct":
         idx = dct.select(u_c, sess.theta[b], budget.dct_cap(sess, n)) if sess.weight > 0 else _EMPTY
         parts = _send(sess, rnd, owner, b, c, idx, off)
-        head = _DCT_RS.pack(idx.numel(), CODEC_IDS[sess.values])
+        head = _DCT_RS.pack(CODEC_IDS[sess.values]) + uvarint(idx.numel())
         return Z.DCT_RS, join(head, idx.to(torch.int32), *parts)
     blk = sess.block
     held = sess.ann.get((b, c))
@@ -147,7 +157,7 @@ def encode_rs(sess: CompressSession, rnd: Any, owner: str, b: int, c: int) -> tu
     ids, props = budget.proposals(
         sess, b, off, sess.sketch(b, off, e_c + sess.m[b][off : off + n]), idx.numel()
     )
-    head = _TOPK_RS.pack(tag, ids.numel(), idx.numel(), CODEC_IDS[sess.values])
+    head = _TOPK_RS.pack(CODEC_IDS[sess.values], tag) + uvarint(ids.numel()) + uvarint(idx.numel())
     return Z.TOPK_RS, join(head, ids.to(torch.int32), props.to(torch.bfloat16), *parts)
 
 
@@ -204,19 +214,19 @@ def decode_rs(
     if sess.family == "dct":
         if z != Z.DCT_RS:
             raise Bad("compressed_kind")
-        nnz, codec = r.struct(_DCT_RS)
+        (codec,) = r.struct(_DCT_RS)
         _same_codec(sess, codec)
-        if nnz > budget.dct_cap(sess, n):
-            raise Bad("compressed_count")
+        nnz = r.count(budget.dct_cap(sess, n))
         idx = r.indices(nnz, n)
         dense[idx] = r.coded(nnz, sess.values)
         r.done()
         return _got(sess, key, src, w, dense)
     if z != Z.TOPK_RS:
         raise Bad("compressed_kind")
-    tag, nprop, nvals, codec = r.struct(_TOPK_RS)
+    codec, tag = r.struct(_TOPK_RS)
     _same_codec(sess, codec)
     m = topk.block_count(n, sess.block)
+    nprop, nvals = r.count(m), r.count(n)
     ids = r.indices(nprop, m)
     sk = r.tensor(torch.bfloat16, nprop).to(torch.float32)
     if not bool(torch.isfinite(sk).all()) or bool((sk < 0).any()):
@@ -289,8 +299,9 @@ def encode_ag(
     if sess.family == "dct":
         idx = _EMPTY if param else torch.nonzero(values).flatten()
         coded, vals = _broadcast_values(sess, values, idx, param)
-        head = _DCT_AG.pack(prev_round, len(parts), vals.numel(), int(param), codec)
-        payload = join(head, bitmap(bits), bitmap(prev_bits), idx.to(torch.int32), *coded)
+        head = _DCT_AG.pack(codec, int(param), len(parts), prev_round)
+        counts = uvarint(vals.numel())
+        payload = join(head, bitmap(bits), bitmap(prev_bits), counts, idx.to(torch.int32), *coded)
         return Z.DCT_AG, payload, _spread(values, idx, vals, param)
     _, cur = _set_in_force(sess, rnd, b, c, n)
     m = topk.block_count(n, sess.block)
@@ -305,13 +316,13 @@ def encode_ag(
     if sess.stale is not None and not param:
         sess.stale.apply(b, off, n, idx + off, topk.per_element(ages, cur, sess.block, n))
     coded, vals = _broadcast_values(sess, values, idx, param)
-    head = _TOPK_AG.pack(
-        rnd.r, prev_round, len(parts), cur.numel(), nxt.numel(), vals.numel(), int(param), codec
-    )
+    head = _TOPK_AG.pack(codec, int(param), len(parts), rnd.r, prev_round)
+    counts = uvarint(cur.numel()) + uvarint(nxt.numel()) + uvarint(vals.numel())
     payload = join(
         head,
         bitmap(bits),
         bitmap(prev_bits),
+        counts,
         cur.to(torch.int32),
         nxt.to(torch.int32),
         ages.to(torch.uint8),
@@ -361,17 +372,19 @@ def decode_ag(
     if sess.family == "dct":
         if z != Z.DCT_AG:
             raise Bad("compressed_kind")
-        prev_round, nparts, nvals, vkind, codec = r.struct(_DCT_AG)
+        codec, vkind, nparts, prev_round = r.struct(_DCT_AG)
         _same_codec(sess, codec)
         bm, bmp = _bitmaps(r, nparts, len(parts), vkind)
+        nvals = r.count(n)
         idx = r.indices(nvals, n) if vkind == 0 else _EMPTY
     else:
         if z != Z.TOPK_AG:
             raise Bad("compressed_kind")
-        tag, prev_round, nparts, ncur, nnext, nvals, vkind, codec = r.struct(_TOPK_AG)
+        codec, vkind, nparts, tag, prev_round = r.struct(_TOPK_AG)
         _same_codec(sess, codec)
         bm, bmp = _bitmaps(r, nparts, len(parts), vkind)
         m = topk.block_count(n, sess.block)
+        ncur, nnext, nvals = r.count(m), r.count(m), r.count(n)
         cur = r.indices(ncur, m)
         nxt = r.indices(nnext, m)
         ages = r.ages(ncur)
