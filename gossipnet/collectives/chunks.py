@@ -262,7 +262,6 @@ class ShardMap:
 
     plan: ChunkPlan
     participants: Sequence[str]  # stored as a tuple
-    _index: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
     # each participant's chunks, computed once: a round asks ~3 times per packet
     _ranges: dict[str, range] = field(init=False, repr=False, compare=False, hash=False)
 
@@ -274,7 +273,6 @@ class ShardMap:
         if len(index) != len(participants):
             raise ValueError(f"ShardMap participants contain duplicates: {participants}")
         object.__setattr__(self, "participants", participants)
-        object.__setattr__(self, "_index", index)
         ranges = {
             pid: range(self._first_chunk(j), self._first_chunk(j + 1)) for pid, j in index.items()
         }
