@@ -57,6 +57,7 @@ import itertools
 import math
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,6 +85,11 @@ from gossipnet.demo.harness import (
 from gossipnet.testing import run_peers
 
 PEERS = 4
+#: torch's global RNG is one per process and the peers are threads: ``manual_seed``
+#: then building a model races between them (each replica would start from different
+#: weights, and the gradient all-reduce below never reconciles them), so models are
+#: built under this lock.  ``replica_spread`` in each result checks the outcome.
+_INIT = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,9 @@ def demo_task(seed: int, steps: int) -> Task:
     def make(rank: int, _: int) -> Any:
         shard = shard_stream(train, rank, cfg)
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
-        torch.manual_seed(cfg.model_seed)
-        model = CharLM(cfg)
+        with _INIT:
+            torch.manual_seed(cfg.model_seed)
+            model = CharLM(cfg)
         return (
             model,
             lambda: model.loss(sample_windows(shard, cfg.batch, cfg.context, gen)),
@@ -183,11 +190,12 @@ def regress_task(seed: int, steps: int) -> Task:
         yt = teacher(xt)
 
     def make(rank: int, _: int) -> Any:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(dim, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
-            torch.nn.ReLU(), torch.nn.Linear(256, 4),
-        )  # fmt: skip
+        with _INIT:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(dim, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                torch.nn.ReLU(), torch.nn.Linear(256, 4),
+            )  # fmt: skip
         gen = torch.Generator().manual_seed(seed * 1000 + rank)
 
         def batch_loss() -> torch.Tensor:
@@ -216,7 +224,7 @@ def run_setting(s: Setting) -> Result:
     lr = 3e-3 if s.task == "demo" else 1e-3
     warm = DemoConfig(steps=s.steps, lr=lr, warmup_steps=10)
 
-    def body(rank: int, net: gossipnet.Peer) -> tuple[float, int, dict[str, float]]:
+    def body(rank: int, net: gossipnet.Peer) -> tuple[float, int, dict[str, float], torch.Tensor]:
         torch.set_num_threads(1)
         model, batch_loss, quality = make(rank, s.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -238,7 +246,8 @@ def run_setting(s: Setting) -> Result:
         extra = {"compression_ratio": statistics.median(ratios)}
         if critical:  # Accordion: the share of the model in critical layers, mean over rounds
             extra["critical"] = statistics.fmean(critical)
-        return quality(), sent, extra
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        return quality(), sent, extra, flat
 
     t0, c0 = time.perf_counter(), time.process_time()
     faults = gossipnet.FaultPlan(loss=s.loss, seed=s.seed) if s.loss else None
@@ -250,6 +259,9 @@ def run_setting(s: Setting) -> Result:
     extra = {"compression_ratio": statistics.median(o[2]["compression_ratio"] for o in out)}
     if all("critical" in o[2] for o in out):
         extra["critical"] = statistics.fmean(o[2]["critical"] for o in out)
+    # how far the replicas ended apart (largest |difference| of a parameter from
+    # rank 0's): 0 where every round gave every peer the same sums
+    extra["replica_spread"] = max(float((o[3] - out[0][3]).abs().max()) for o in out)
     return Result(s, quality, per_step, wall, cpu, extra)
 
 
@@ -278,6 +290,7 @@ def summarise(results: list[Result], density: float, values: str = "fp32") -> di
             "compression_ratio": statistics.median(r.extra["compression_ratio"] for r in rs),
             "wall_s": statistics.median(r.wall_s for r in rs),
             "cpu_s": statistics.median(r.cpu_s for r in rs),
+            "replica_spread_max": max(r.extra["replica_spread"] for r in rs),
         }
         if all("critical" in r.extra for r in rs):
             rows[f"{task}/{row}/{loss:g}"]["critical_share"] = statistics.median(
@@ -420,6 +433,7 @@ def main() -> None:
         print(f"{s.task:8s} {s.row:14s} loss={s.loss:<4g} seed={s.seed} quality={r.quality:.4f}"
               f" bytes/step={r.bytes_per_step:,.0f} ratio={r.extra['compression_ratio']:.1f}"
               f" wall={r.wall_s:.1f}s cpu={r.cpu_s:.1f}s"
+              + f" spread={r.extra['replica_spread']:.2g}"
               + (f" critical={r.extra['critical']:.3f}" if "critical" in r.extra else ""),
               flush=True)  # fmt: skip
     emit_json(summarise(results, d, args.values))
