@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ import gossipnet
 from gossipnet.testing import run_peers
 
 DIM = 32
+INIT_LOCK = threading.Lock()
 
 
 def train(mode: str, compress: Any, args: argparse.Namespace) -> dict[str, float]:
@@ -50,10 +52,14 @@ def train(mode: str, compress: Any, args: argparse.Namespace) -> dict[str, float
 
     def body(rank: int, net: gossipnet.Peer) -> tuple[float, int, float]:
         torch.set_num_threads(1)
-        torch.manual_seed(0)  # one init everywhere (the optimizer would resync anyway)
-        model = torch.nn.Sequential(
-            torch.nn.Linear(DIM, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)
-        )
+        # one init everywhere: torch's seed is process-global and the peers are threads,
+        # so seeding then building races between them without the lock (the optimizer's
+        # first resync would hide it; the DDP-style loop would train replicas apart)
+        with INIT_LOCK:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(
+                torch.nn.Linear(DIM, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4)
+            )
         base = torch.optim.AdamW(model.parameters(), lr=3e-3)
         opt = net.optimizer(base, compress=compress) if mode == "opt" else base
         gen = torch.Generator().manual_seed(100 + rank)
