@@ -22,7 +22,12 @@ default the low and middle densities).  Accordion and its static peers run at
 ``accordion*``, ``arctopk@d``) run ``--seeds`` seeds
 (default 3) and report the median and spread; the others one.  A ``-plain``
 suffix (``arctopk-plain``) runs ArcTopK with ``catch_up=False``: stock AdamW on
-the sparse sums.  Every row steps AdamW through ``net.all_reduce(..., step=opt)``.
+the sparse sums.  Every row steps AdamW through ``net.all_reduce(..., step=opt)``,
+which also resyncs the parameters after the first step and, in the lossy rows, every
+100 steps (``Config.resync_every_steps``): lossy rounds let replicas drift apart;
+the resyncs' bytes count.  Every peer builds its model from one seed under a lock
+(the peers are threads sharing torch's RNG); each run prints ``spread``, the largest
+difference of a parameter between two replicas at the end (0 for lossless rows).
 ``--values fp32|bf16|int8`` sets how every sparse row (ArcTopK, DCT, Accordion)
 sends its values (``values=``; the JSON's ``values``); the ``--testbed`` part's
 gossipnet methods use it too.
@@ -251,8 +256,12 @@ def run_setting(s: Setting) -> Result:
 
     t0, c0 = time.perf_counter(), time.process_time()
     faults = gossipnet.FaultPlan(loss=s.loss, seed=s.seed) if s.loss else None
+    # all_reduce(step=opt) resyncs the parameters after the first step and every
+    # resync_every_steps (100) after it: lossy rows keep that default (it repairs the
+    # replicas' drift); lossless rounds cause no drift, so those rows resync only once
+    resync = {} if s.loss else {"resync_every_steps": 0}
     out = run_peers(PEERS, body, timeout_s=600, faults=faults, chunk_bytes=s.chunk_bytes,
-                    collective_timeout_s=2.0, heartbeat_interval_s=0.5)  # fmt: skip
+                    collective_timeout_s=2.0, heartbeat_interval_s=0.5, **resync)  # fmt: skip
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     quality = statistics.fmean(o[0] for o in out)
     per_step = sum(o[1] for o in out) / s.steps

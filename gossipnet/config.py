@@ -108,7 +108,9 @@ class Config:
             sender of the phase delivered something within this long.
         phase_deadline_factor: a sender's allowance is ``factor x`` the median span
             (first packet to END marker) of recent senders; never beyond the timeout.
-        resync_every_steps: full parameter resync period of the lossy optimizer (0 = never).
+        resync_every_steps: steps between full parameter resyncs (averages with repair, after
+            which every replica is identical) of the lossy optimizer and of
+            ``all_reduce(..., step=opt)``; both also resync at their first step (0: only then).
         redundancy: copies of every data packet of a collective (1 = none).  Proactive,
             never a retransmission: copies go out in a second pass over the phase, so
             a chunk is lost only if every copy is (about p^k under random loss) at k

@@ -27,6 +27,7 @@ import torch
 
 from gossipnet._collective import moshpit_bound_s, moshpit_config, stage
 from gossipnet._core import ENGINES, Engines, IslandHost
+from gossipnet._step_resync import StepResync
 from gossipnet._training_host import PeerTrainingHost
 from gossipnet.clock import Clock
 from gossipnet.collectives.compress import Compression, CompressSession
@@ -109,6 +110,8 @@ class Peer:
         # net.all_reduce(compress=...)'s error feedback, per (compressor, layout)
         self._compress_sessions: dict[tuple[Any, ...], CompressSession] = {}
         self._microbatch = MicrobatchState()
+        # all_reduce(step=opt)'s parameter resyncs
+        self._step_resync = StepResync(config.resync_every_steps)
 
     # ------------------------------------------------------------------ runtime
     @property
@@ -205,7 +208,11 @@ class Peer:
                 and Adam or AdamW it takes the catch-up step (each value as the
                 rounds it stands for; ``report.extra["catch_up"]`` is 1), which
                 plain ``opt.step()`` after the call cannot (see README, "Gradient
-                compression"); otherwise it is ``step.step()``.
+                compression"); otherwise it is ``step.step()``.  After the first such
+                call and every ``Config.resync_every_steps`` after it, one more round
+                averages ``step``'s parameters with repair, so the replicas that lost
+                chunks let drift apart are identical again (``extra["resync"]`` is 1,
+                ``extra["resync_moved"]`` this peer's largest drift).
 
         Returns:
             The round's :class:`CollectiveReport`; packet loss never raises.
@@ -236,6 +243,11 @@ class Peer:
         if step is not None:
             caught = step_all_reduced(step, tensors, staged.flat, session)
             report.extra["catch_up"] = float(caught)
+            if self._step_resync.due():  # replicas identical again (gossipnet/_step_resync.py)
+                resync = self._step_resync.run(step, self._engine(), self._flat_for, self._call, t)
+                report.extra["resync"] = 1.0
+                report.extra["resync_moved"] = resync.extra["resync_moved"]
+                report.extra["resync_chunks_stale"] = float(resync.chunks_stale)
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if staged.nonfinite:
             report.extra["nonfinite_local"] = 1.0

@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mobility", ("mobility",)),
     ("collectives", ("collectives",)),
     ("training", ("training",)),
-    ("facade", ("", "peer", "_core", "_collective", "_training_host", "_join")),
+    ("facade", ("", "peer", "_core", "_collective", "_training_host", "_join", "_step_resync")),
     ("top", ("cli", "demo", "testbed", "testing", "distributed")),
 )
 #: Upward edges allowed by name, each with its reason.  ``import gossipnet`` registers

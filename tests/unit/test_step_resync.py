@@ -1,0 +1,87 @@
+"""``all_reduce(..., step=opt)`` resyncs the optimizer's parameters (gossipnet/_step_resync.py).
+
+Why these tests: a DDP-style loop over lossy rounds lets replicas drift apart (a lost
+broadcast leaves a peer its own gradient), and replicas built from different seeds
+never meet; both went unnoticed in the compression benchmark for several sessions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+import gossipnet
+from gossipnet.testing import run_peers
+
+FAST = {"heartbeat_interval_s": 0.05, "failure_timeout_s": 1.0, "chunk_bytes": 1024}
+SIZE = 3000  # three 1 KiB chunks per peer's share of the layout: loss hits some
+
+
+def _model(rank: int) -> torch.nn.Parameter:
+    """Rank-specific weights: replicas that start apart (no global RNG: peers are threads)."""
+    return torch.nn.Parameter(torch.randn(SIZE, generator=torch.Generator().manual_seed(rank)))
+
+
+def _grad(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(SIZE, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+@pytest.mark.timeout(60)
+def test_the_first_step_makes_replicas_that_started_apart_identical(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def body(rank: int, net: gossipnet.Peer) -> tuple[torch.Tensor, list[dict[str, float]]]:
+        w = _model(rank)
+        opt = torch.optim.SGD([w], lr=0.1)
+        extras = []
+        for step in range(3):
+            w.grad = _grad(rank, step)
+            rep = net.all_reduce([w.grad], step=opt)
+            assert rep.ok, rep
+            extras.append(rep.extra)
+        return w.detach().clone(), extras
+
+    with caplog.at_level(logging.WARNING, logger="gossipnet._step_resync"):
+        out = run_peers(3, body, timeout_s=60, collective_timeout_s=5.0, **FAST)
+    for w, _ in out[1:]:
+        assert torch.equal(w, out[0][0]), "replicas still apart after the resyncs"
+    for _, extras in out:
+        assert extras[0]["resync"] == 1.0 and extras[0]["resync_moved"] > 0.1
+        assert "resync" not in extras[1] and "resync" not in extras[2]  # every 100 by default
+    assert "started from different parameters" in caplog.text
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("compress", [None, gossipnet.ArcTopK(density=0.2)], ids=["dense", "arctopk"])
+def test_resyncs_repair_the_drift_of_lossy_rounds(compress: Any) -> None:
+    """20% loss: between resyncs the replicas may part; every resync leaves them equal."""
+    every, steps = 4, 9  # resyncs after calls 0, 4 and 8
+
+    def body(rank: int, net: gossipnet.Peer) -> list[tuple[torch.Tensor, dict[str, float]]]:
+        w = torch.nn.Parameter(torch.zeros(SIZE))  # the same start everywhere
+        opt = torch.optim.Adam([w], lr=0.05)
+        seen = []
+        for step in range(steps):
+            w.grad = _grad(rank, step)
+            rep = net.all_reduce([w.grad], compress=compress, step=opt)
+            seen.append((w.detach().clone(), dict(rep.extra)))
+        return seen
+
+    faults = gossipnet.FaultPlan(loss=0.2, seed=7)
+    out = run_peers(
+        3, body, timeout_s=90, faults=faults, collective_timeout_s=5.0,
+        resync_every_steps=every, **FAST,
+    )  # fmt: skip
+    for step in range(steps):
+        extras = [o[step][1] for o in out]
+        due = step % every == 0
+        assert all(("resync" in e) == due for e in extras), f"step {step}: {extras}"
+        if due:
+            assert all(e["resync_chunks_stale"] == 0 for e in extras), extras
+            for o in out[1:]:
+                assert torch.equal(o[step][0], out[0][step][0]), f"apart after resync {step}"
+    # the lossy rounds between resyncs did part them: the resyncs had work to do
+    assert any(e["resync_moved"] > 0 for o in out for _, e in o[1:] if "resync" in e)
