@@ -23,7 +23,7 @@ default the low and middle densities).  Accordion and its static peers run at
 (default 3) and report the median and spread; the others one.  A ``-plain``
 suffix (``arctopk-plain``) runs ArcTopK with ``catch_up=False``: stock AdamW on
 the sparse sums.  Every row steps AdamW through ``net.all_reduce(..., step=opt)``,
-which also resyncs the parameters after the first step and, in the lossy rows, every
+which also resyncs the parameters at the first step and, in the lossy rows, every
 100 steps (``Config.resync_every_steps``): lossy rounds let replicas drift apart;
 the resyncs' bytes count.  Every peer builds its model from one seed under a lock
 (the peers are threads sharing torch's RNG); each run prints ``spread``, the largest
@@ -256,7 +256,7 @@ def run_setting(s: Setting) -> Result:
 
     t0, c0 = time.perf_counter(), time.process_time()
     faults = gossipnet.FaultPlan(loss=s.loss, seed=s.seed) if s.loss else None
-    # all_reduce(step=opt) resyncs the parameters after the first step and every
+    # all_reduce(step=opt) resyncs the parameters at the first step and after every
     # resync_every_steps (100) after it: lossy rows keep that default (it repairs the
     # replicas' drift); lossless rounds cause no drift, so those rows resync only once
     resync = {} if s.loss else {"resync_every_steps": 0}

@@ -9,11 +9,12 @@ the replicas ended up to 0.09 apart in a parameter and the mean held-out
 perplexity read 9.30 against 8.66 lossless; averaging the parameters exactly every
 25 steps brought it to 8.93.  The optimizer strategy resyncs every
 ``Config.resync_every_steps``; with ``step=opt`` gossipnet steps the optimizer, so it
-knows the parameters and does the same: after the first such call and every
+knows the parameters and does the same: at the first such call and after every
 ``resync_every_steps`` calls after it, one dense round averages the optimizer's
 parameters with repair (lost chunks are asked for again), so every peer leaves it
-holding the same values.  The first resync also makes peers that started from
-different weights consistent, and warns that they did (seed every peer alike).
+holding the same values.  The first runs before the first call's round, as DDP's
+start-up broadcast does: it makes peers that started from different weights
+consistent, and warns that they did (seed every peer alike).
 
 Every peer counts its own ``step=`` calls, so peers that make the same calls with
 the same ``resync_every_steps`` run their resyncs at the same rounds (as the
@@ -68,11 +69,16 @@ class StepResync:
         self.every = every
         self.calls = 0  # step= calls so far on this peer
 
+    def first(self) -> bool:
+        """True at the first ``step=`` call: it resyncs before its round, so the
+        resync sees only how the replicas started (no lossy round has run yet)."""
+        return self.calls == 0
+
     def due(self) -> bool:
-        """Count one ``step=`` call; True where it ends with a resync."""
+        """Count one ``step=`` call, after its step; True where a resync follows."""
         n = self.calls
         self.calls += 1
-        return n == 0 or (self.every > 0 and n % self.every == 0)
+        return n > 0 and self.every > 0 and n % self.every == 0
 
     def run(
         self,
@@ -102,7 +108,7 @@ class StepResync:
         async def work() -> CollectiveReport:
             return await engine.run(src, opts)
 
-        first = self.calls == 1
+        first = self.calls == 0
         report, loop_s = call(loop_cpu(work), 2 * timeout_s + 30)
         moved = max(float((a - b).abs().max()) for a, b in zip(staged.cpu, src, strict=True))
         staged.write_back(params)

@@ -208,8 +208,8 @@ class Peer:
                 and Adam or AdamW it takes the catch-up step (each value as the
                 rounds it stands for; ``report.extra["catch_up"]`` is 1), which
                 plain ``opt.step()`` after the call cannot (see README, "Gradient
-                compression"); otherwise it is ``step.step()``.  After the first such
-                call and every ``Config.resync_every_steps`` after it, one more round
+                compression"); otherwise it is ``step.step()``.  Before the first such
+                call's round and after every ``Config.resync_every_steps`` calls, a round
                 averages ``step``'s parameters with repair, so the replicas that lost
                 chunks let drift apart are identical again (``extra["resync"]`` is 1,
                 ``extra["resync_moved"]`` this peer's largest drift).
@@ -237,17 +237,20 @@ class Peer:
             session.set_segments(staged.flat.segments())  # Accordion decides per tensor
             if step is not None:
                 session.track_applied()
+        resyncs = self._step_resync  # replicas made identical (gossipnet/_step_resync.py)
+        resync = self._resync_step(step, t) if step is not None and resyncs.first() else None
         work = functools.partial(self._all_reduce, staged.cpu, weight, t, session)
         report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)
         if step is not None:
             caught = step_all_reduced(step, tensors, staged.flat, session)
             report.extra["catch_up"] = float(caught)
-            if self._step_resync.due():  # replicas identical again (gossipnet/_step_resync.py)
-                resync = self._step_resync.run(step, self._engine(), self._flat_for, self._call, t)
-                report.extra["resync"] = 1.0
-                report.extra["resync_moved"] = resync.extra["resync_moved"]
-                report.extra["resync_chunks_stale"] = float(resync.chunks_stale)
+            if resyncs.due():
+                resync = self._resync_step(step, t)
+        if resync is not None:
+            report.extra["resync"] = 1.0
+            report.extra["resync_moved"] = resync.extra["resync_moved"]
+            report.extra["resync_chunks_stale"] = float(resync.chunks_stale)
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if staged.nonfinite:
             report.extra["nonfinite_local"] = 1.0
@@ -312,6 +315,9 @@ class Peer:
     ) -> CollectiveReport:
         opts = RoundOptions(weight=weight, timeout_s=timeout_s, compress=session)
         return await self._engine().run(buckets, opts)
+
+    def _resync_step(self, opt: torch.optim.Optimizer, timeout_s: float) -> CollectiveReport:
+        return self._step_resync.run(opt, self._engine(), self._flat_for, self._call, timeout_s)
 
     def _compress_session(
         self, spec: Compression, buckets: Sequence[torch.Tensor]
