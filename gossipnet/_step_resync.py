@@ -84,7 +84,6 @@ class StepResync:
         self,
         opt: torch.optim.Optimizer,
         engine: LossyAllReduce,
-        flat_for: Callable[[list[torch.Tensor]], FlatBuffer],
         call: Callable[[Coroutine[Any, Any, Any], float], Any],
         timeout_s: float,
     ) -> CollectiveReport:
@@ -95,7 +94,10 @@ class StepResync:
         change above rounding logs a warning that the replicas started apart.
         """
         params = optimizer_params(opt)
-        staged = stage(flat_for(params), params)
+        # a flat buffer of their own, built per resync (they are rare): the peer's
+        # cached one for this layout is the gradients' (the same shapes), which the
+        # calling all_reduce has already staged its input in
+        staged = stage(FlatBuffer(params), params)
         src = [b.clone() for b in staged.cpu]  # served again to repair requests: private
         opts = RoundOptions(
             dst=staged.cpu,

@@ -317,7 +317,7 @@ class Peer:
         return await self._engine().run(buckets, opts)
 
     def _resync_step(self, opt: torch.optim.Optimizer, timeout_s: float) -> CollectiveReport:
-        return self._step_resync.run(opt, self._engine(), self._flat_for, self._call, timeout_s)
+        return self._step_resync.run(opt, self._engine(), self._call, timeout_s)
 
     def _compress_session(
         self, spec: Compression, buckets: Sequence[torch.Tensor]

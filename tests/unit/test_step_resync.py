@@ -56,6 +56,45 @@ def test_the_first_step_makes_replicas_that_started_apart_identical(
     assert "started from different parameters" in caplog.text
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("contiguous", [False, True], ids=["params-apart", "params-in-one-storage"])
+def test_the_resync_leaves_the_steps_exact(contiguous: bool) -> None:
+    """Lossless, one start: each call's step is exactly SGD on the mean gradient, at the
+    first call (resync before its round) and at the resync calls (after their step).
+    The parameters have the gradients' shapes, so a resync that staged them in the
+    call's cached buffer would overwrite the gradients staged there."""
+    start = torch.randn(2, SIZE // 2, generator=torch.Generator().manual_seed(5))
+
+    def body(rank: int, net: gossipnet.Peer) -> list[torch.Tensor]:
+        if contiguous:  # one storage: the resync's flat buffer is the parameters' memory
+            store = start.clone()
+            ws = [torch.nn.Parameter(store[0]), torch.nn.Parameter(store[1])]
+        else:
+            ws = [torch.nn.Parameter(start[i].clone()) for i in range(2)]
+        opt = torch.optim.SGD(ws, lr=0.5)
+        seen = []
+        for step in range(4):
+            for i, w in enumerate(ws):
+                w.grad = _grad(rank, 10 * step + i)[: SIZE // 2].clone()
+            net.all_reduce([w.grad for w in ws], step=opt)
+            seen.append(torch.cat([w.detach().reshape(-1) for w in ws]).clone())
+        return seen
+
+    out = run_peers(3, body, timeout_s=60, collective_timeout_s=5.0, resync_every_steps=2, **FAST)
+    expect = start.reshape(-1).clone()
+    for step in range(4):
+        mean = (
+            sum(
+                torch.cat([_grad(r, 10 * step + i)[: SIZE // 2] for i in range(2)])
+                for r in range(3)
+            )
+            / 3
+        )
+        expect -= 0.5 * mean
+        for o in out:
+            torch.testing.assert_close(o[step], expect, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     "compress", [None, gossipnet.ArcTopK(density=0.2)], ids=["dense", "arctopk"]
