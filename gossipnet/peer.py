@@ -40,7 +40,7 @@ from gossipnet.mobility.radio import RadioModel
 from gossipnet.mobility.routes import Route
 from gossipnet.mobility.schedule import ScheduleConfig
 from gossipnet.reports import CollectiveReport
-from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
+from gossipnet.runtime.cputime import CPU_LOOP_KEY, loop_cpu, stamp_cpu
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.runtime.join import advertise_host
 from gossipnet.runtime.loop import LoopThread
@@ -251,7 +251,9 @@ class Peer:
             report.extra["resync"] = 1.0
             report.extra["resync_moved"] = resync.extra["resync_moved"]
             report.extra["resync_chunks_stale"] = float(resync.chunks_stale)
-        stamp_cpu(report, loop_s, time.thread_time() - cpu0)
+        # the resync's loop CPU counts too (its caller share is in this thread's time)
+        resync_s = resync.extra.get(CPU_LOOP_KEY, 0.0) if resync is not None else 0.0
+        stamp_cpu(report, loop_s + resync_s, time.thread_time() - cpu0)
         if staged.nonfinite:
             report.extra["nonfinite_local"] = 1.0
         return report
