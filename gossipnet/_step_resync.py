@@ -10,7 +10,7 @@ perplexity read 9.30 against 8.66 lossless; averaging the parameters exactly eve
 25 steps brought it to 8.93.  The optimizer strategy resyncs every
 ``Config.resync_every_steps``; with ``step=opt`` gossipnet steps the optimizer, so it
 knows the parameters and does the same: at the first such call and after every
-``resync_every_steps`` calls after it, one dense round averages the optimizer's
+``resync_every_steps`` calls, one dense round averages the optimizer's
 parameters with repair (lost chunks are asked for again), so every peer leaves it
 holding the same values.  The first runs before the first call's round, as DDP's
 start-up broadcast does: it makes peers that started from different weights
@@ -110,7 +110,7 @@ class StepResync:
         async def work() -> CollectiveReport:
             return await engine.run(src, opts)
 
-        first = self.calls == 0
+        first = self.first()
         report, loop_s = call(loop_cpu(work), 2 * timeout_s + 30)
         moved = max(float((a - b).abs().max()) for a, b in zip(staged.cpu, src, strict=True))
         staged.write_back(params)
