@@ -117,9 +117,27 @@ class Membership:
             if p.alive and now - p.last_seen > self.failure_timeout_s
         ]
         for peer_id in dead:
-            self._peers[peer_id].alive = False
+            info = self._peers[peer_id]
+            info.alive = False
+            log.warning(
+                "peer %s: nothing from %s for %.1f s (failure timeout %.1f s): declared"
+                " dead", self.self_id, peer_id, now - info.last_seen, self.failure_timeout_s,
+            )  # fmt: skip
             self._emit("died", peer_id)
         return dead
+
+    def excuse(self, seconds: float, now: float) -> None:
+        """Our own loop did not run for ``seconds`` (the process was stopped, swapped
+        out or starved of CPU): that much of every alive peer's silence is ours.
+
+        Why: packets that arrived meanwhile wait unread in the sockets, so measured
+        silence would declare every peer dead at our first heartbeat after the stall,
+        before those packets are read; we would then run rounds alone for a moment and
+        carry what we learned alone back into the others' model.
+        """
+        for p in self._peers.values():
+            if p.alive:
+                p.last_seen = min(now, p.last_seen + seconds)
 
     def prune(self, now: float, forget_after_s: float) -> list[str]:
         """Forget peers dead for longer than ``forget_after_s``; return their addresses.

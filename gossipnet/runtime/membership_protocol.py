@@ -60,6 +60,12 @@ class MembershipProtocol:
         #: heartbeats that failed or beacon values withheld, by reason
         self.heartbeat_errors: collections.Counter[str] = collections.Counter()
         self._heartbeat_listeners: list[PacketCallback] = []
+        #: when the next beat is due; a beat later than that by more than an interval
+        #: means our loop stalled (see :meth:`Membership.excuse`)
+        self._due: float | None = None
+        #: beats that found our loop stalled, and the seconds excused in all
+        self.stalls = 0
+        self.stalled_s = 0.0
 
     def start(self) -> Membership:
         """Create the alive view for ``io.address``, hand it to ``io`` and answer
@@ -208,13 +214,28 @@ class MembershipProtocol:
                 self.heartbeat_errors["exception"] += 1
                 if self.heartbeat_errors["exception"] in (1, 10, 100, 1000):
                     log.exception("peer %s: a heartbeat failed (going on)", io.peer_id)
-            await self.clock.sleep(interval / 2 if io.membership.version == 0 else interval)
+            pause = interval / 2 if io.membership.version == 0 else interval
+            self._due = self.clock.now() + pause
+            await self.clock.sleep(pause)
 
     def _beat(self) -> None:
         """One heartbeat interval's work (see :meth:`heartbeat_loop`)."""
         io, members = self.io, self.io.membership
         assert members is not None
         now = self.clock.now()
+        late = now - self._due if self._due is not None else 0.0
+        if late > self.config.heartbeat_interval_s:
+            # our loop did not run: the others' packets wait unread, not lost
+            members.excuse(late, now)
+            self.stalls += 1
+            self.stalled_s += late
+            # a stall near the failure timeout is news (the others may have declared
+            # us dead); shorter ones are a loaded machine's weather (stats() counts them)
+            level = logging.WARNING if late > self.config.failure_timeout_s / 2 else logging.DEBUG
+            log.log(
+                level, "peer %s: our event loop stalled for %.1f s (process stopped, swapped"
+                " out or starved of CPU); the other peers are not blamed for it", io.peer_id, late,
+            )  # fmt: skip
         members.expire(now)
         for address in members.prune(now, 10 * self.config.failure_timeout_s):
             self._forget(address)

@@ -197,5 +197,6 @@ class Node:
         out["wire_accepted"] = self.codec.accepted
         out["unhandled_kinds"] = dict(self.unhandled)
         out["heartbeat_errors"] = dict(self.heartbeat_errors)
+        out["loop_stalls"] = {"count": self.members.stalls, "seconds": self.members.stalled_s}
         out["engine_drops"] = {name: dict(c) for name, c in self.drop_counters.items()}
         return out

@@ -130,6 +130,18 @@ def test_a_stale_view_never_resurrects_a_dead_peer() -> None:
     assert events.log[-1] == ("joined", "bob")
 
 
+def test_our_own_stall_is_excused_not_blamed_on_the_peers() -> None:
+    m, events = membership()
+    m.heard_from("bob", 1, "mem://bob", now=0.0)
+    m.heard_from("carl", 1, "mem://carl", now=2.0)
+    # our loop did not run from t=1 to t=6: five of their seconds of silence are ours
+    m.excuse(5.0, now=6.0)
+    assert m.expire(6.0 + 1e-6) == []
+    # never later than now: a peer is not credited with a packet from the future
+    assert m.expire(6.0 + TIMEOUT_S + 1e-6) == ["bob", "carl"]
+    assert [e for e, _ in events.log] == ["joined", "joined", "died", "died"]
+
+
 def test_newer_epoch_is_a_restart_and_old_epoch_packets_are_ignored() -> None:
     m, events = membership()
     m.heard_from("bob", 1, "mem://bob", now=0.0)
@@ -293,6 +305,40 @@ def test_a_crashed_node_is_declared_dead_within_the_failure_timeout(
             for node in survivors:
                 assert node.alive_peers() == ["p0", "p1", "p3"]
                 assert [e for _, e, _ in log[node.peer_id]] == ["died"]
+
+    run_async(main())
+
+
+@pytest.mark.timeout(10)
+def test_a_heartbeat_after_our_own_stall_declares_nobody_dead(
+    run_async: Callable[..., Any], cluster: Any, fast_config: Config
+) -> None:
+    """The freeze bug: a SIGSTOPped peer's first beat after SIGCONT saw every peer
+    silent past the timeout (their packets still unread in its sockets), declared
+    them all dead and trained alone until it read them."""
+    cfg = fast_config
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(3, config=cfg, clock=clock) as nodes:
+            me = nodes[0]
+            assert me.membership is not None
+            now = clock.now()
+            stall = 4 * cfg.failure_timeout_s
+            for info in me.membership.known():
+                info.last_seen = now - stall  # nothing read while we were stopped
+            me.members._due = now - stall + cfg.heartbeat_interval_s
+            me.members._beat()
+            assert me.alive_peers() == ["p0", "p1", "p2"]
+            assert me.stats()["loop_stalls"]["count"] == 1
+            assert me.stats()["loop_stalls"]["seconds"] >= stall - cfg.heartbeat_interval_s
+            # the same silence without a stall of ours is theirs: both die
+            for info in me.membership.known():
+                info.last_seen = now - stall
+            me.members._due = now
+            me.members._beat()
+            assert me.alive_peers() == ["p0"]
+            assert me.stats()["loop_stalls"]["count"] == 1
 
     run_async(main())
 
