@@ -111,6 +111,7 @@ class Setting:
     block: int = 16
     eta: float = 1.0
     values: str = "fp32"
+    copies: int = 2  # Config.compressed_copies
 
 
 @dataclass
@@ -261,7 +262,8 @@ def run_setting(s: Setting) -> Result:
     # replicas' drift); lossless rounds cause no drift, so those rows resync only once
     resync = {} if s.loss else {"resync_every_steps": 0}
     out = run_peers(PEERS, body, timeout_s=600, faults=faults, chunk_bytes=s.chunk_bytes,
-                    collective_timeout_s=2.0, heartbeat_interval_s=0.5, **resync)  # fmt: skip
+                    collective_timeout_s=2.0, heartbeat_interval_s=0.5,
+                    compressed_copies=s.copies, **resync)  # fmt: skip
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     quality = statistics.fmean(o[0] for o in out)
     per_step = sum(o[1] for o in out) / s.steps
@@ -395,6 +397,12 @@ def main() -> None:
         help="how the sparse rows (ArcTopK, DCT, Accordion; testbed: gn_*) send values",
     )
     parser.add_argument(
+        "--copies",
+        type=int,
+        default=2,
+        help="Config.compressed_copies: copies of compressed packets while loss is seen",
+    )
+    parser.add_argument(
         "--testbed",
         action="store_true",
         help="time to target on the namespace testbed (root; bench/_compression_testbed.py)",
@@ -433,6 +441,7 @@ def main() -> None:
                             args.block,
                             args.eta,
                             args.values,
+                            args.copies,
                         )
                     )
     results = []

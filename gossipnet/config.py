@@ -133,6 +133,13 @@ class Config:
             elements it costs a fifth more time while loss lasts,
             ``bench/allreduce.py --parity 4``).
         parity_always: send parity packets even while no loss has been seen.
+        compressed_copies: copies of every data packet of a compressed round (``compress=``)
+            while loss is being seen, by us or our peers (1 = none; with
+            ``parity_always``, in every round).  Parity cannot serve these rounds: it
+            XORs payloads of one length, and compressed packets differ.  A compressed
+            round moves a tenth of the dense bytes or less, so a second copy costs less
+            than parity adds to a dense round, and a chunk (with the ARC-Top-K set
+            announcement it carries) is then lost with about p^2 instead of p.
         stale_step: the lossy optimizer (``strategy="allreduce"``) moves a parameter
             chunk whose broadcast was lost by the size of the last step of it that
             arrived, against the sign of this peer's own gradient, instead of
@@ -178,6 +185,7 @@ class Config:
     redundancy: int = 1
     parity_group: int | None = None
     parity_always: bool = False
+    compressed_copies: int = 2
     stale_step: bool = True
 
     def __post_init__(self) -> None:
@@ -226,6 +234,10 @@ class Config:
             )
         if not isinstance(self.redundancy, int) or not 1 <= self.redundancy <= 8:
             raise ConfigError(f"Config.redundancy must be an int in [1, 8], got {self.redundancy}")
+        if type(self.compressed_copies) is not int or not 1 <= self.compressed_copies <= 8:
+            raise ConfigError(
+                f"Config.compressed_copies must be an int in [1, 8], got {self.compressed_copies!r}"
+            )
         if self.parity_group is not None and (
             not isinstance(self.parity_group, int) or not 0 <= self.parity_group <= 64
         ):

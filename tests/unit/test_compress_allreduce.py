@@ -43,7 +43,9 @@ IDS = tuple(f"p{i}" for i in range(N))
 
 @pytest.fixture
 def cfg(fast_config: Config) -> Config:
-    return fast_config.replace(chunk_bytes=CHUNK)
+    # these tests are about what loss does to compressed rounds: copies would hide it
+    # (test_copies_while_loss_is_seen_cut_what_is_lost_and_cost_nothing_when_quiet)
+    return fast_config.replace(chunk_bytes=CHUNK, compressed_copies=1)
 
 
 async def rounds(
@@ -510,3 +512,33 @@ def test_light_chunks_share_packets_and_change_nothing(
         assert sum(single) == sum(runs)  # the same chunks were sent
         for a, b in zip(together, alone, strict=True):
             assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(60)
+def test_copies_while_loss_is_seen_cut_what_is_lost_and_cost_nothing_when_quiet(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """``Config.compressed_copies``: under seeded 20% loss a second copy of every
+    compressed packet leaves far fewer chunks stale than none; on a loss-free network
+    no copy goes out once the engine has seen a few quiet rounds."""
+
+    async def stale_and_copies(config: Config, loss: float) -> tuple[int, list[int]]:
+        clock = FakeClock()
+        plan = (lambda i: FaultPlan(loss=loss, seed=150 + i)) if loss else None
+        async with cluster(N, config=config, clock=clock, faults=plan) as nodes:
+            sessions = [CompressSession(ArcTopK(density=0.05, values="int8")) for _ in range(N)]
+            reps = await rounds(drive, clock, nodes, sessions, grads(5), 12)
+        stale = sum(r.chunks_stale for rr in reps for r in rr)
+        return stale, [int(sum(r.extra.get("copies_sent", 0) for r in rr)) for rr in reps]
+
+    async def main() -> None:
+        lone, lone_copies = await stale_and_copies(cfg, 0.2)
+        two, two_copies = await stale_and_copies(cfg.replace(compressed_copies=2), 0.2)
+        assert sum(lone_copies) == 0
+        assert all(c > 0 for c in two_copies)  # every round of a lossy network
+        assert lone > 0
+        assert two * 3 < lone, (lone, two)  # about p^2 instead of p
+        _, quiet = await stale_and_copies(cfg.replace(compressed_copies=2), 0.0)
+        assert quiet[-5:] == [0] * 5, quiet  # a cold engine counts as lossy at first
+
+    run_async(main())

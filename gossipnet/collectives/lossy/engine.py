@@ -155,7 +155,14 @@ class LossyAllReduce(Intake):
             self._others(rnd), parity_group, node.config.parity_always
         )
         if opts.compress is not None:
-            rnd.fec_k = 0  # parity XORs dense payloads
+            rnd.fec_k = 0  # parity XORs payloads of one length
+            copies = node.config.compressed_copies
+            if (
+                opts.redundancy is None
+                and copies > rnd.redundancy
+                and (node.config.parity_always or self.loss.lossy(self._others(rnd)))
+            ):
+                rnd.redundancy = copies  # copies instead, while loss is seen
         if opts.stale_step is not None:
             rnd.step_mag = StaleStep.fresh(rnd)
         try:
