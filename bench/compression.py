@@ -25,9 +25,12 @@ suffix (``arctopk-plain``) runs ArcTopK with ``catch_up=False``: stock AdamW on
 the sparse sums.  Every row steps AdamW through ``net.all_reduce(..., step=opt)``,
 which also resyncs the parameters at the first step and, in the lossy rows, every
 100 steps (``Config.resync_every_steps``): lossy rounds let replicas drift apart;
-the resyncs' bytes count.  Every peer builds its model from one seed under a lock
-(the peers are threads sharing torch's RNG); each run prints ``spread``, the largest
-difference of a parameter between two replicas at the end (0 for lossless rows).
+and ends with ``net.resync(opt)`` (one model for every peer before the evaluation,
+as the demo does); the resyncs' bytes count.  ``--copies 2``: compressed rounds send every
+packet twice while loss is seen (``Config.compressed_copies``; default once).  Every peer
+builds its model from one seed under a lock (the peers are threads sharing torch's
+RNG); each run prints ``spread``, the largest difference of a parameter between two
+replicas before the final resync, and ``after_resync``, the same after it (0).
 ``--values fp32|bf16|int8`` sets how every sparse row (ArcTopK, DCT, Accordion)
 sends its values (``values=``; the JSON's ``values``); the ``--testbed`` part's
 gossipnet methods use it too.
@@ -111,7 +114,7 @@ class Setting:
     block: int = 16
     eta: float = 1.0
     values: str = "fp32"
-    copies: int = 2  # Config.compressed_copies
+    copies: int = 1  # Config.compressed_copies
 
 
 @dataclass
@@ -230,7 +233,9 @@ def run_setting(s: Setting) -> Result:
     lr = 3e-3 if s.task == "demo" else 1e-3
     warm = DemoConfig(steps=s.steps, lr=lr, warmup_steps=10)
 
-    def body(rank: int, net: gossipnet.Peer) -> tuple[float, int, dict[str, float], torch.Tensor]:
+    def body(
+        rank: int, net: gossipnet.Peer
+    ) -> tuple[float, int, dict[str, float], torch.Tensor, torch.Tensor]:
         torch.set_num_threads(1)
         model, batch_loss, quality = make(rank, s.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -248,12 +253,16 @@ def run_setting(s: Setting) -> Result:
             ratios.append(rep.extra.get("compression_ratio", 1.0))
             if "accordion_critical" in rep.extra:
                 critical.append(rep.extra["accordion_critical"])
+        # the end of training: one model for every peer (README, all_reduce), as the
+        # demo evaluates; its dense round's bytes count in the bytes per step
+        drifted = torch.cat([p.detach().reshape(-1) for p in params])
+        net.resync(opt)
         sent = net.stats()["transport"]["sent_bytes"] - sent0
         extra = {"compression_ratio": statistics.median(ratios)}
         if critical:  # Accordion: the share of the model in critical layers, mean over rounds
             extra["critical"] = statistics.fmean(critical)
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-        return quality(), sent, extra, flat
+        return quality(), sent, extra, drifted, flat
 
     t0, c0 = time.perf_counter(), time.process_time()
     faults = gossipnet.FaultPlan(loss=s.loss, seed=s.seed) if s.loss else None
@@ -273,6 +282,8 @@ def run_setting(s: Setting) -> Result:
     # how far the replicas ended apart (largest |difference| of a parameter from
     # rank 0's): 0 where every round gave every peer the same sums
     extra["replica_spread"] = max(float((o[3] - out[0][3]).abs().max()) for o in out)
+    # after the final resync: 0, or it did not make one model (printed, never hidden)
+    extra["replica_spread_after"] = max(float((o[4] - out[0][4]).abs().max()) for o in out)
     return Result(s, quality, per_step, wall, cpu, extra)
 
 
@@ -399,7 +410,7 @@ def main() -> None:
     parser.add_argument(
         "--copies",
         type=int,
-        default=2,
+        default=1,
         help="Config.compressed_copies: copies of compressed packets while loss is seen",
     )
     parser.add_argument(
@@ -452,6 +463,7 @@ def main() -> None:
               f" bytes/step={r.bytes_per_step:,.0f} ratio={r.extra['compression_ratio']:.1f}"
               f" wall={r.wall_s:.1f}s cpu={r.cpu_s:.1f}s"
               + f" spread={r.extra['replica_spread']:.2g}"
+              + f" after_resync={r.extra['replica_spread_after']:.2g}"
               + (f" critical={r.extra['critical']:.3f}" if "critical" in r.extra else ""),
               flush=True)  # fmt: skip
     emit_json(summarise(results, d, args.values))

@@ -76,6 +76,11 @@ def train(mode: str, compress: Any, args: argparse.Namespace) -> dict[str, float
                 grads = [p.grad for p in model.parameters()]
                 rep = net.all_reduce(grads, compress=compress, step=base)  # type: ignore[arg-type]
             ratios.append(rep.extra.get("compression_ratio", 1.0))
+        # the end of training: one model on every peer (lost broadcasts let replicas drift)
+        if mode == "opt":
+            opt.resync()
+        else:
+            net.resync(base)
         sent = net.stats()["transport"]["sent_bytes"] - sent0
         with torch.no_grad():
             test = float(torch.nn.functional.mse_loss(model(x_test), teacher(x_test)))

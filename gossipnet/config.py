@@ -139,7 +139,13 @@ class Config:
             XORs payloads of one length, and compressed packets differ.  A compressed
             round moves a tenth of the dense bytes or less, so a second copy costs less
             than parity adds to a dense round, and a chunk (with the ARC-Top-K set
-            announcement it carries) is then lost with about p^2 instead of p.
+            announcement it carries) is then lost with about p^2 instead of p.  In the
+            optimizer's rounds only the compressed gradients get copies (the parameter
+            broadcast is dense).  Off by default until an anomaly is understood: with
+            copies more phases end incomplete (a seeded in-memory run at 10% loss: 5 of
+            120 against 0, though 4x fewer chunks went stale).  On the demo at 10% loss
+            2 took ArcTopK(0.1, int8) from 10.46 to 9.88 perplexity (docs/benchmarks.md,
+            "Issue 22, session 19").
         stale_step: the lossy optimizer (``strategy="allreduce"``) moves a parameter
             chunk whose broadcast was lost by the size of the last step of it that
             arrived, against the sign of this peer's own gradient, instead of
@@ -185,7 +191,7 @@ class Config:
     redundancy: int = 1
     parity_group: int | None = None
     parity_always: bool = False
-    compressed_copies: int = 2
+    compressed_copies: int = 1
     stale_step: bool = True
 
     def __post_init__(self) -> None:

@@ -320,6 +320,25 @@ class Peer:
         opts = RoundOptions(weight=weight, timeout_s=timeout_s, compress=session)
         return await self._engine().run(buckets, opts)
 
+    def resync(self, opt: torch.optim.Optimizer, timeout: float | None = None) -> CollectiveReport:
+        """Average ``opt``'s parameters now, with repair: every replica leaves it the
+        same model.
+
+        For the DDP-style loop (``all_reduce(grads, step=opt)``), whose scheduled
+        resyncs run every ``Config.resync_every_steps`` calls: under loss the
+        replicas drift between them, so call this at the end of training (and
+        before a checkpoint or an evaluation that should speak for every peer), as
+        ``opt.resync()`` does for ``net.optimizer``.  Every peer must call it at the
+        same point of its loop (after the same ``all_reduce`` calls).  The report's
+        ``extra["resync_moved"]`` is this peer's largest drift from the average.
+
+        Raises:
+            TimeoutError: the round outlived its bound (two ``timeout``, default
+                ``Config.collective_timeout_s``, plus a margin).
+        """
+        t = self.config.collective_timeout_s if timeout is None else timeout
+        return self._resync_step(opt, t)
+
     def _resync_step(self, opt: torch.optim.Optimizer, timeout_s: float) -> CollectiveReport:
         return self._step_resync.run(opt, self._engine(), self._call, timeout_s)
 

@@ -130,3 +130,38 @@ def test_resyncs_repair_the_drift_of_lossy_rounds(compress: Any) -> None:
     assert all(o[0][1]["resync_moved"] == 0 for o in out)  # they started alike
     # the lossy rounds between resyncs did part them: the resyncs had work to do
     assert any(e["resync_moved"] > 0 for o in out for _, e in o[1:] if "resync" in e)
+
+
+@pytest.mark.timeout(90)
+def test_an_explicit_resync_ends_training_with_one_model() -> None:
+    """``net.resync(opt)`` after lossy steps (no scheduled resync since the first):
+    the replicas had parted, and leave it bit-identical."""
+
+    def body(rank: int, net: gossipnet.Peer) -> tuple[torch.Tensor, torch.Tensor, float]:
+        w = torch.nn.Parameter(torch.zeros(SIZE))
+        opt = torch.optim.SGD([w], lr=0.1)
+        for step in range(6):
+            w.grad = _grad(rank, step)
+            net.all_reduce([w.grad], step=opt)
+        before = w.detach().clone()
+        rep = net.resync(opt)
+        assert rep.method == "resync"
+        assert rep.chunks_stale == 0, rep
+        return before, w.detach().clone(), rep.extra["resync_moved"]
+
+    faults = gossipnet.FaultPlan(loss=0.2, seed=11)
+    out = run_peers(
+        3, body, timeout_s=90, faults=faults, collective_timeout_s=5.0,
+        resync_every_steps=0, **FAST,
+    )  # fmt: skip
+    assert any(not torch.equal(o[0], out[0][0]) for o in out[1:])  # loss had parted them
+    for o in out[1:]:
+        assert torch.equal(o[1], out[0][1])
+    assert max(o[2] for o in out) > 0
+    # an average of what arrived (a lost contribution is left out, not repaired;
+    # the broadcasts are): every value within the replicas' range, no peer's copy
+    before = torch.stack([o[0] for o in out])
+    after = out[0][1]
+    assert bool((after >= before.min(0).values - 1e-6).all())
+    assert bool((after <= before.max(0).values + 1e-6).all())
+    assert all(not torch.equal(after, o[0]) for o in out)

@@ -151,7 +151,8 @@ async def send_ag(
     node = ctx.node
     others = [p for p in rnd.participants if p != rnd.me]
     sent = 0
-    copies: collections.deque[Send] | None = collections.deque() if rnd.redundancy > 1 else None
+    # (ag_redundancy is 1 or the round's redundancy: send_copy sends the latter)
+    copies: collections.deque[Send] | None = collections.deque() if rnd.ag_redundancy > 1 else None
     for shard, value in zip(shards, values, strict=True):
         b = shard.bucket
         encoded = _encode_shard(rnd, shard, value) if rnd.codec is not None else {}
@@ -204,7 +205,7 @@ def _dense_ag(
             others, ctx.k.ag_data, fields, raw[span.start - base : span.stop - base]
         )
         if rnd.codec is not None:  # a compressed round's dense chunk (parameters)
-            rnd.codec.sent(frames, len(others) * rnd.redundancy, count * 4)
+            rnd.codec.sent(frames, len(others) * rnd.ag_redundancy, count * 4)
         yield frames
 
 
@@ -226,7 +227,7 @@ def _compressed_ag(
     rnd.ag_chunks_sent += len(records)
     plan = rnd.plans[b]
     fields: dict[str, object] = {**rnd.ident, "b": b, "dt": "u8"}
-    copies = len(others) * rnd.redundancy
+    copies = len(others) * rnd.ag_redundancy
     return bundled(ctx.node, codec, ctx.k.ag_data, others, fields, records, plan, copies)
 
 

@@ -208,6 +208,9 @@ class Round:
         self.ag_chunks_sent = 0
         self.rs_sent_to: collections.Counter[str] = collections.Counter()
         self.redundancy = redundancy
+        # the all-gather's copies: the same, but for a compressed optimizer round's
+        # dense parameter broadcast, which compressed copies do not cover (1)
+        self.ag_redundancy = redundancy
         self.copies_sent = 0
         # XOR parity (.parity): our group size this round (0 = none), the payloads of
         # streams that announce parity (kept to recover a group's one lost member)
