@@ -141,11 +141,10 @@ class Config:
             than parity adds to a dense round, and a chunk (with the ARC-Top-K set
             announcement it carries) is then lost with about p^2 instead of p.  In the
             optimizer's rounds only the compressed gradients get copies (the parameter
-            broadcast is dense).  Off by default until an anomaly is understood: with
-            copies more phases end incomplete (a seeded in-memory run at 10% loss: 5 of
-            120 against 0, though 4x fewer chunks went stale).  On the demo at 10% loss
-            2 took ArcTopK(0.1, int8) from 10.46 to 9.88 perplexity (docs/benchmarks.md,
-            "Issue 22, session 19").
+            broadcast is dense).  On the demo at 10% loss 2 took ArcTopK(0.1, int8)
+            from 10.46 to 9.88 perplexity (docs/benchmarks.md, "Issue 22, session 19").
+            Off by default: on a small regression (examples/compressed_wan.py) the
+            held-out loss read worse with copies in most runs, not yet understood.
         stale_step: the lossy optimizer (``strategy="allreduce"``) moves a parameter
             chunk whose broadcast was lost by the size of the last step of it that
             arrived, against the sign of this peer's own gradient, instead of

@@ -36,7 +36,10 @@ class CollectiveReport:
         elapsed_s: wall time of the call on this peer's clock.
         timed_out: a phase ended at its deadline instead of on completion.
         extra: method-specific figures; the all-reduce's: ``late`` (packets that
-            came after their phase), ``copies_sent`` (``redundancy``),
+            came after their phase), ``copies_sent`` (``redundancy``,
+            ``compressed_copies``), ``arrived_behind`` (compressed packets that came
+            behind a later one of their sender: copies standing in for lost
+            originals, counted as loss so the copies do not switch themselves off),
             ``parity_sent`` and ``recovered`` (``parity_group``: chunks rebuilt
             from parity, which ``packets_lost`` still counts as lost on the wire),
             ``estimated`` (``net.optimizer`` with ``Config.stale_step``: stale

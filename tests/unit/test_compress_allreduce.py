@@ -522,6 +522,8 @@ def test_copies_while_loss_is_seen_cut_what_is_lost_and_cost_nothing_when_quiet(
     compressed packet leaves far fewer chunks stale than none; on a loss-free network
     no copy goes out once the engine has seen a few quiet rounds."""
 
+    behind: dict[int, float] = {}
+
     async def stale_and_copies(config: Config, loss: float) -> tuple[int, list[int]]:
         clock = FakeClock()
         plan = (lambda i: FaultPlan(loss=loss, seed=150 + i)) if loss else None
@@ -529,6 +531,7 @@ def test_copies_while_loss_is_seen_cut_what_is_lost_and_cost_nothing_when_quiet(
             sessions = [CompressSession(ArcTopK(density=0.05, values="int8")) for _ in range(N)]
             reps = await rounds(drive, clock, nodes, sessions, grads(5), 12)
         stale = sum(r.chunks_stale for rr in reps for r in rr)
+        behind[config.compressed_copies] = sum(r.extra["arrived_behind"] for rr in reps for r in rr)
         return stale, [int(sum(r.extra.get("copies_sent", 0) for r in rr)) for rr in reps]
 
     async def main() -> None:
@@ -538,6 +541,10 @@ def test_copies_while_loss_is_seen_cut_what_is_lost_and_cost_nothing_when_quiet(
         assert all(c > 0 for c in two_copies)  # every round of a lossy network
         assert lone > 0
         assert two * 3 < lone, (lone, two)  # about p^2 instead of p
+        # a copy that stood in for a lost original is seen (it arrives behind later
+        # packets), so the loss the copies hide still counts as loss; no copies, none
+        assert behind[2] > 0
+        assert behind[1] == 0
         _, quiet = await stale_and_copies(cfg.replace(compressed_copies=2), 0.0)
         assert quiet[-5:] == [0] * 5, quiet  # a cold engine counts as lossy at first
 

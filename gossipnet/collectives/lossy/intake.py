@@ -204,6 +204,16 @@ class Intake:
             layout_conflict(self._ctx, rnd, pkt, layout)
             return
         kind = pkt.kind
+        if "z" in pkt.fields and kind in (self.k.rs_data, self.k.ag_data):
+            # compressed data (few packets a round): one sent twice arrives behind its
+            # sender's later packets only where its original was lost (the replay
+            # window drops a second arrival), so this sees the loss copies repaired;
+            # unseen, the network would look quiet and the copies and ENDs stop
+            top = rnd.top_seq.get(pkt.src, -1)
+            if pkt.seq < top:
+                rnd.arrived_behind += 1
+            else:
+                rnd.top_seq[pkt.src] = pkt.seq
         if kind == self.k.rs_data:
             on_rs(self._ctx, rnd, pkt)
         elif kind == self.k.ag_data:

@@ -35,7 +35,12 @@ class LossWatch:
     def note(self, report: CollectiveReport) -> None:
         """Remember whether the round that produced ``report`` saw loss."""
         self.rounds_run += 1
-        if report.packets_lost or report.timed_out or report.chunks_stale:
+        if (
+            report.packets_lost
+            or report.timed_out
+            or report.chunks_stale
+            or report.extra.get("arrived_behind", 0.0)  # loss that copies repaired
+        ):
             self.loss_at = self.rounds_run
 
     @property

@@ -212,6 +212,11 @@ class Round:
         # dense parameter broadcast, which compressed copies do not cover (1)
         self.ag_redundancy = redundancy
         self.copies_sent = 0
+        # compressed data packets that arrived behind a later packet of their sender
+        # (a copy standing in for a lost original, or reordering): loss that the
+        # copies hid, which LossWatch must still see (.intake, ._dispatch)
+        self.top_seq: dict[str, int] = {}
+        self.arrived_behind = 0
         # XOR parity (.parity): our group size this round (0 = none), the payloads of
         # streams that announce parity (kept to recover a group's one lost member)
         self.fec_k = 0
@@ -297,5 +302,6 @@ class Round:
                 "copies_sent": float(rnd.copies_sent),
                 "parity_sent": float(rnd.parity_sent),
                 "recovered": float(rnd.recovered),
+                "arrived_behind": float(rnd.arrived_behind),
             },
         )
