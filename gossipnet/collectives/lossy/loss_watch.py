@@ -31,10 +31,14 @@ class LossWatch:
         self.rounds_run = 0
         self.loss_at = 0  # ``rounds_run`` when we last saw loss (cold engines count as lossy)
         self.lossy_peers: set[str] = set()
+        # ``rounds_run`` when a round of ours last sent copies (``Config.compressed_copies``)
+        self.copies_at = -QUIET_ROUNDS
 
     def note(self, report: CollectiveReport) -> None:
         """Remember whether the round that produced ``report`` saw loss."""
         self.rounds_run += 1
+        if report.extra.get("copies_sent", 0.0):
+            self.copies_at = self.rounds_run
         if (
             report.packets_lost
             or report.timed_out
@@ -69,9 +73,13 @@ class LossWatch:
         weight) still sends one.  If loss starts on a quiet network, a receiver
         that lost data cuts the sender shortly after it moves on (its next phase's
         packets) or at its learned deadline, for that round only; its loss flag
-        then brings the copies back.
+        then brings the copies back.  ENDs also go on for ``QUIET_ROUNDS`` rounds after
+        our last round with copies: copies hide loss (a copy that stands in for the
+        only packet of a stream looks like the original), so "quiet" may be wrong
+        then, and the first round without copies must not end on a cut.
         """
-        return END_COPIES if redundancy > 1 or self.lossy(others) else 0
+        copied = self.rounds_run - self.copies_at < QUIET_ROUNDS
+        return END_COPIES if redundancy > 1 or copied or self.lossy(others) else 0
 
     def parity_group(self, others: Iterable[str], k: int, always: bool) -> int:
         """This round's parity group size: ``k`` while loss is seen (or ``always``)."""
