@@ -137,6 +137,7 @@ class _Host:
             resync_every_steps=0,
             collective_timeout_s=self.plan["gn_timeout_s"],
             udp_pace_mbps=pace,
+            compressed_copies=self.plan.get("copies", 1),
         )
 
     def _compressor(self, method: str) -> Any:

@@ -298,7 +298,8 @@ def run_testbed(a: Any) -> dict[str, Any]:
         ctrl = tb.run_dir / "ctrl"
         ctrl.mkdir()
         optim = optim_settings(a)
-        print(f"optimizer: {optim}, values: {a.values}", flush=True)
+        copies = getattr(a, "copies", 1)
+        print(f"optimizer: {optim}, values: {a.values}, copies: {copies}", flush=True)
         plan = {
             "ips": [h.ip for h in tb.hosts],
             "hidden": a.tb_hidden,
@@ -310,6 +311,7 @@ def run_testbed(a: Any) -> dict[str, Any]:
             "chunk_bytes": CHUNK_BYTES,
             "gn_timeout_s": 2.0,
             "gloo_timeout_s": 60.0,
+            "copies": copies,  # Config.compressed_copies (--copies)
         }
         env = {"GLOO_SOCKET_IFNAME": "eth0"}
         tasks = [
