@@ -141,8 +141,8 @@ class Peer:
         ``faults``, ``wire_rejects`` (packets refused before any protocol saw them, by
         reason), ``engine_drops`` (per collective engine, e.g. ``"lossy:ar"``: data
         refused as late, duplicate, for another layout, ...), ``heartbeat_errors``,
-        ``loop_stalls`` (times our event loop did not run for over a heartbeat interval,
-        and their seconds: the other peers are not declared dead for those)."""
+        ``loop_stalls`` (times our event loop did not run long enough to make a live peer
+        look dead, and their seconds: the other peers are not declared dead for those)."""
         return self._runtime.stats()
 
     def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:

@@ -60,9 +60,16 @@ class MembershipProtocol:
         #: heartbeats that failed or beacon values withheld, by reason
         self.heartbeat_errors: collections.Counter[str] = collections.Counter()
         self._heartbeat_listeners: list[PacketCallback] = []
-        #: when the next beat is due; a beat later than that by more than an interval
-        #: means our loop stalled (see :meth:`Membership.excuse`)
+        #: when the next beat is due; a beat much later than that means our loop
+        #: stalled (see :meth:`Membership.excuse`)
         self._due: float | None = None
+        # Only a stall that could make a live peer look dead is excused: one longer
+        # than half of what the failure timeout leaves beyond a heartbeat interval
+        # (a peer's silence is at most the stall plus an interval and its jitter).
+        # Excusing every late beat would delay the detection of real deaths on a
+        # loaded machine by however late our beats run.
+        interval, timeout = config.heartbeat_interval_s, config.failure_timeout_s
+        self._stall_threshold_s = max(interval, (timeout - interval) / 2)
         #: beats that found our loop stalled, and the seconds excused in all
         self.stalls = 0
         self.stalled_s = 0.0
@@ -224,7 +231,7 @@ class MembershipProtocol:
         assert members is not None
         now = self.clock.now()
         late = now - self._due if self._due is not None else 0.0
-        if late > self.config.heartbeat_interval_s:
+        if late > self._stall_threshold_s:
             # our loop did not run: the others' packets wait unread, not lost
             members.excuse(late, now)
             self.stalls += 1
