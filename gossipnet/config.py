@@ -143,10 +143,8 @@ class Config:
             optimizer's rounds only the compressed gradients get copies (the parameter
             broadcast is dense).  On the demo at 10% loss 2 took ArcTopK(0.1, int8)
             from 10.46 to 9.88 perplexity (docs/benchmarks.md, "Issue 22, session 19").
-            Off by default until the time-to-target testbed is measured with it (it
-            doubles the compressed bytes while loss lasts).  On the small regression of
-            examples/compressed_wan.py (60 steps) 10% loss without copies ends below
-            that run's own lossless loss, and copies bring it back toward it.
+            Off by default: at 1% loss (the 20 Mbit/s testbed) they cost 57% more bytes
+            and 7% more time to the target for no gain; turn them on where loss is high.
         stale_step: the lossy optimizer (``strategy="allreduce"``) moves a parameter
             chunk whose broadcast was lost by the size of the last step of it that
             arrived, against the sign of this peer's own gradient, instead of
