@@ -236,12 +236,9 @@ class MembershipProtocol:
             members.excuse(late, now)
             self.stalls += 1
             self.stalled_s += late
-            # a stall near the failure timeout is news (the others may have declared
-            # us dead); shorter ones are a loaded machine's weather (stats() counts them)
-            level = logging.WARNING if late > self.config.failure_timeout_s / 2 else logging.DEBUG
-            log.log(
-                level, "peer %s: our event loop stalled for %.1f s (process stopped, swapped"
-                " out or starved of CPU); the other peers are not blamed for it", io.peer_id, late,
+            log.warning(
+                "peer %s: our event loop stalled for %.1f s (process stopped, swapped out"
+                " or starved of CPU); the other peers are not blamed for it", io.peer_id, late,
             )  # fmt: skip
         members.expire(now)
         for address in members.prune(now, 10 * self.config.failure_timeout_s):
