@@ -13,11 +13,13 @@ an automatic tau.  Compute time is simulated: after each micro-batch a peer
 sleeps for the time a seeded noise plan says it took, with heavy-tailed slow
 steps, like a noisy neighbour or a GC pause.
 
-    .venv/bin/python examples/stragglers.py        # about 30 s
+    .venv/bin/python examples/stragglers.py              # about 30 s
+    .venv/bin/python examples/stragglers.py --steps 30   # shorter
 """
 
 from __future__ import annotations
 
+import argparse
 import socket
 import threading
 import time
@@ -29,7 +31,7 @@ from gossipnet.testing.noise import LogNormalDelay, NoisePlan
 from gossipnet.training.autotau import AutoTau, AutoTauConfig
 
 PEERS = 4
-STEPS = 60
+STEPS = 60  # per run (--steps)
 K = 8  # micro-batches per step
 # 5 ms per micro-batch, +50% heavy-tailed noise on each, and each peer's whole step
 # slowed by a log-normal factor (median 1, sigma 0.5): some steps run 2-3x slower
@@ -38,7 +40,7 @@ INIT_LOCK = threading.Lock()
 PLAN = NoisePlan(base_s=0.005, lognormal=LogNormalDelay(delay_factor=1.0), step_sigma=0.5)
 
 
-def train(rank: int, addresses: list[str], auto: bool, out: dict[str, float]) -> None:
+def train(rank: int, addresses: list[str], auto: bool, out: dict[str, float], steps: int) -> None:
     # tau="auto" times 5 warm-up + 45 steps first; a shorter window suits this short demo
     # (one AutoTau per peer: it keeps that peer's timings)
     window = AutoTauConfig(warmup_steps=2, window_steps=10, reestimate_every_steps=10)
@@ -52,7 +54,7 @@ def train(rank: int, addresses: list[str], auto: bool, out: dict[str, float]) ->
         opt = net.optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
         data = torch.Generator().manual_seed(rank)  # each peer its own data
         done, start = 0, time.perf_counter()
-        for step in range(STEPS):
+        for step in range(steps):
             x = torch.randn(K * 16, 8, generator=data)
             y = x.sum(dim=1, keepdim=True).sin()
             micro = zip(x.chunk(K), y.chunk(K), strict=True)
@@ -75,7 +77,7 @@ def train(rank: int, addresses: list[str], auto: bool, out: dict[str, float]) ->
         out[f"done{rank}"] = done
 
 
-def run(auto: bool, label: str) -> dict[str, float]:
+def run(auto: bool, label: str, steps: int) -> dict[str, float]:
     ports = []
     for _ in range(PEERS):  # free ports on 127.0.0.1
         with socket.socket() as s:
@@ -84,7 +86,9 @@ def run(auto: bool, label: str) -> dict[str, float]:
     addresses = [f"tcp://127.0.0.1:{p}" for p in ports]
     out: dict[str, float] = {}
     print(f"{label}:")
-    threads = [threading.Thread(target=train, args=(r, addresses, auto, out)) for r in range(PEERS)]
+    threads = [
+        threading.Thread(target=train, args=(r, addresses, auto, out, steps)) for r in range(PEERS)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -93,14 +97,17 @@ def run(auto: bool, label: str) -> dict[str, float]:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=STEPS, help="training steps per run")
+    steps = ap.parse_args().steps
     torch.set_num_threads(1)
-    sync = run(False, "waiting for every peer (tau=None)")
-    cut = run(True, "DropCompute (automatic tau)")
-    total = STEPS * K * PEERS
+    sync = run(False, "waiting for every peer (tau=None)", steps)
+    cut = run(True, "DropCompute (automatic tau)", steps)
+    total = steps * K * PEERS
     for label, r in (("tau=None", sync), ("tau=auto", cut)):
         done = sum(v for k, v in r.items() if k.startswith("done"))
         print(
-            f"{label:9s} {STEPS / r['seconds']:5.1f} steps/s  "
+            f"{label:9s} {steps / r['seconds']:5.1f} steps/s  "
             f"{done / total:5.1%} of micro-batches done  last loss {r['loss']:.4f}"
         )
     print(f"speed-up: {sync['seconds'] / cut['seconds']:.2f}x steps/s")

