@@ -30,7 +30,11 @@ as the demo does); the resyncs' bytes count.  ``--copies 2``: compressed rounds 
 packet twice while loss is seen (``Config.compressed_copies``; default once).  Every peer
 builds its model from one seed under a lock (the peers are threads sharing torch's
 RNG); each run prints ``spread``, the largest difference of a parameter between two
-replicas before the final resync, and ``after_resync``, the same after it (0).
+replicas before the final resync, and ``after_resync``, the same after it (0), and
+what loss did to the run (:data:`LOSS_KEYS`: ``stale``, the share of chunks a peer
+stepped with its own values; ``lost``, of packets that never arrived; the phases that
+timed out and the compressors' own counts); the JSON rows carry ``stale_frac`` and
+``lost_frac``.  ``--resync-every N`` gives every row the same resync period.
 ``--values fp32|bf16|int8`` sets how every sparse row (ArcTopK, DCT, Accordion)
 sends its values (``values=``; the JSON's ``values``); the ``--testbed`` part's
 gossipnet methods use it too.
@@ -115,6 +119,7 @@ class Setting:
     eta: float = 1.0
     values: str = "fp32"
     copies: int = 1  # Config.compressed_copies
+    resync_every: int | None = None  # Config.resync_every_steps; None: the rule above
 
 
 @dataclass
@@ -226,6 +231,27 @@ TASKS: dict[str, Callable[[int, int], Task]] = {"demo": demo_task, "regress": re
 
 
 # ---------------------------------------------------------------------- one row
+#: What loss did to a run, summed over its rounds and peers (printed per run): the
+#: chunks a peer stepped with its own values (``stale``, of ``chunks``), phases that
+#: ended at their deadline, packets lost on the wire (copies and parity may still
+#: have stood in), and the compressors' own counts of what loss cost them.
+LOSS_KEYS = (
+    "chunks", "stale", "timed_out", "packets_lost", "packets_expected", "arrived_behind",
+    "index_mismatch", "missed_announcement", "sketch_only", "ef_unresolved",
+)  # fmt: skip
+
+
+def tally(seen: dict[str, float], rep: Any) -> None:
+    """Add one round's report to ``seen`` (:data:`LOSS_KEYS`)."""
+    seen["chunks"] += rep.chunks_total
+    seen["stale"] += rep.chunks_stale
+    seen["timed_out"] += bool(rep.timed_out)
+    seen["packets_lost"] += rep.packets_lost
+    seen["packets_expected"] += rep.packets_received + rep.packets_lost
+    for k in LOSS_KEYS[5:]:
+        seen[k] += rep.extra.get(k, 0.0)
+
+
 def run_setting(s: Setting) -> Result:
     """Train ``s`` on 4 in-process peers; quality is the mean over peers at the end."""
     make = TASKS[s.task](s.seed, s.steps)
@@ -243,6 +269,7 @@ def run_setting(s: Setting) -> Result:
         sent0 = net.stats()["transport"]["sent_bytes"]
         ratios: list[float] = []
         critical: list[float] = []
+        seen: dict[str, float] = dict.fromkeys(LOSS_KEYS, 0.0)
         for step in range(s.steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(warm, step)
@@ -251,6 +278,7 @@ def run_setting(s: Setting) -> Result:
             # step=opt: Adam's catch-up step on the sparse sums (README, compression)
             rep = net.all_reduce([p.grad for p in params], compress=spec, step=opt)  # type: ignore[misc]
             ratios.append(rep.extra.get("compression_ratio", 1.0))
+            tally(seen, rep)
             if "accordion_critical" in rep.extra:
                 critical.append(rep.extra["accordion_critical"])
         # the end of training: one model for every peer (README, all_reduce), as the
@@ -258,7 +286,7 @@ def run_setting(s: Setting) -> Result:
         drifted = torch.cat([p.detach().reshape(-1) for p in params])
         net.resync(opt)
         sent = net.stats()["transport"]["sent_bytes"] - sent0
-        extra = {"compression_ratio": statistics.median(ratios)}
+        extra = {"compression_ratio": statistics.median(ratios), **seen}
         if critical:  # Accordion: the share of the model in critical layers, mean over rounds
             extra["critical"] = statistics.fmean(critical)
         flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -270,6 +298,8 @@ def run_setting(s: Setting) -> Result:
     # resync_every_steps (100) after it: lossy rows keep that default (it repairs the
     # replicas' drift); lossless rounds cause no drift, so those rows resync only once
     resync = {} if s.loss else {"resync_every_steps": 0}
+    if s.resync_every is not None:  # --resync-every: the same period for every row
+        resync = {"resync_every_steps": s.resync_every}
     out = run_peers(PEERS, body, timeout_s=600, faults=faults, chunk_bytes=s.chunk_bytes,
                     collective_timeout_s=2.0, heartbeat_interval_s=0.5,
                     compressed_copies=s.copies, **resync)  # fmt: skip
@@ -277,6 +307,8 @@ def run_setting(s: Setting) -> Result:
     quality = statistics.fmean(o[0] for o in out)
     per_step = sum(o[1] for o in out) / s.steps
     extra = {"compression_ratio": statistics.median(o[2]["compression_ratio"] for o in out)}
+    for k in LOSS_KEYS:  # summed over peers
+        extra[k] = sum(o[2][k] for o in out)
     if all("critical" in o[2] for o in out):
         extra["critical"] = statistics.fmean(o[2]["critical"] for o in out)
     # how far the replicas ended apart (largest |difference| of a parameter from
@@ -313,6 +345,13 @@ def summarise(results: list[Result], density: float, values: str = "fp32") -> di
             "wall_s": statistics.median(r.wall_s for r in rs),
             "cpu_s": statistics.median(r.cpu_s for r in rs),
             "replica_spread_max": max(r.extra["replica_spread"] for r in rs),
+            # what loss did: chunks stepped with a peer's own values, packets never arrived
+            "stale_frac": statistics.median(
+                r.extra["stale"] / max(1.0, r.extra["chunks"]) for r in rs
+            ),
+            "lost_frac": statistics.median(
+                r.extra["packets_lost"] / max(1.0, r.extra["packets_expected"]) for r in rs
+            ),
         }
         if all("critical" in r.extra for r in rs):
             rows[f"{task}/{row}/{loss:g}"]["critical_share"] = statistics.median(
@@ -414,6 +453,12 @@ def main() -> None:
         help="Config.compressed_copies: copies of compressed packets while loss is seen",
     )
     parser.add_argument(
+        "--resync-every",
+        type=int,
+        default=None,
+        help="Config.resync_every_steps for every row (default: 100 lossy, 0 lossless)",
+    )
+    parser.add_argument(
         "--testbed",
         action="store_true",
         help="time to target on the namespace testbed (root; bench/_compression_testbed.py)",
@@ -453,6 +498,7 @@ def main() -> None:
                             args.eta,
                             args.values,
                             args.copies,
+                            args.resync_every,
                         )
                     )
     results = []
@@ -464,7 +510,10 @@ def main() -> None:
               f" wall={r.wall_s:.1f}s cpu={r.cpu_s:.1f}s"
               + f" spread={r.extra['replica_spread']:.2g}"
               + f" after_resync={r.extra['replica_spread_after']:.2g}"
-              + (f" critical={r.extra['critical']:.3f}" if "critical" in r.extra else ""),
+              + (f" critical={r.extra['critical']:.3f}" if "critical" in r.extra else "")
+              + f" stale={r.extra['stale'] / max(1.0, r.extra['chunks']):.2%}"
+              + f" lost={r.extra['packets_lost'] / max(1.0, r.extra['packets_expected']):.2%}"
+              + "".join(f" {k}={r.extra[k]:g}" for k in LOSS_KEYS[2:3] + LOSS_KEYS[5:]),
               flush=True)  # fmt: skip
     emit_json(summarise(results, d, args.values))
 

@@ -110,7 +110,8 @@ def test_preemptible_restarts_resume_from_a_live_peer(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(EXAMPLE_BOUND_S + 20)
 def test_compressed_wan_saves_bytes_and_learns(tmp_path: Path) -> None:
-    args = ("--steps", "60", "--loss", "0.1")
+    # 40 steps learn enough (held-out MSE 0.05-0.09 against the bound of 0.25 here)
+    args = ("--steps", "40", "--loss", "0.1")
     rc, out = run_example(tmp_path, "compressed_wan.py", *args, timeout=EXAMPLE_BOUND_S)
     assert rc == 0, out[-2000:]
     res = last_json(out)

@@ -211,3 +211,18 @@ def test_topk_sim_density_schedules() -> None:
         0.1, 0.1, 0.02, 0.02, 0.05, 0.05,
     ]  # fmt: skip
     assert topk_sim.density_at(topk_sim.schedule("0.03"), 299) == 0.03
+
+
+def test_tally_sums_what_loss_did_to_the_rounds(quality_bench: ModuleType) -> None:
+    from gossipnet.reports import CollectiveReport
+
+    seen = dict.fromkeys(quality_bench.LOSS_KEYS, 0.0)
+    rep = CollectiveReport(
+        packets_received=9, packets_lost=1, chunks_total=10, chunks_stale=2, timed_out=True,
+        extra={"index_mismatch": 1.0, "arrived_behind": 3.0},
+    )  # fmt: skip
+    quality_bench.tally(seen, rep)
+    quality_bench.tally(seen, CollectiveReport(chunks_total=10, packets_received=10))
+    assert (seen["chunks"], seen["stale"], seen["timed_out"]) == (20, 2, 1)
+    assert (seen["packets_lost"], seen["packets_expected"]) == (1, 20)
+    assert (seen["index_mismatch"], seen["arrived_behind"], seen["ef_unresolved"]) == (1, 3, 0)
