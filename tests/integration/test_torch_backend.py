@@ -42,55 +42,81 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
+Run = tuple[Path, int, tuple[str, ...], dict[str, str]]  # script, nproc, args, env
+
+
+def _torchrun_together(runs: list[Run], max_restarts: int = 0) -> list[list[dict[str, Any]]]:
+    """Run each of ``runs`` under torch.distributed.run, all at once (each its own
+    rendezvous port; the gossipnet ranks listen on ports the OS picks); per run,
+    every JSON line it printed.  At once because a run spends most of its wall time
+    starting processes and meeting, not computing: the runs compared here must
+    agree whatever the load, and this keeps the suite short."""
+    ports = free_tcp_ports(len(runs))
+    procs = []
+    for (script, nproc, args, env), port in zip(runs, ports, strict=True):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            f"--master-port={port}",
+            f"--max-restarts={max_restarts}",
+            str(script),
+            *args,
+        ]
+        proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(**env),
+            start_new_session=True,  # a timeout kills torchrun's workers too, not only torchrun
+        )
+        procs.append((script, proc))
+    outs = []
+    try:
+        for script, proc in procs:
+            try:
+                out, err = proc.communicate(timeout=RUN_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+                raise AssertionError(f"{script.name} hung past {RUN_S} s:\n{err[-4000:]}") from None
+            assert proc.returncode == 0, out[-3000:] + err[-3000:]
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            outs.append([dict(json.loads(ln)) for ln in lines])
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return outs
+
+
 def _torchrun_all(
     script: Path, nproc: int, *args: str, max_restarts: int = 0, **env: str
 ) -> list[dict[str, Any]]:
     """Run ``script`` under torch.distributed.run; every JSON line it printed."""
-    (port,) = free_tcp_ports(1)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        f"--master-port={port}",
-        f"--max-restarts={max_restarts}",
-        str(script),
-        *args,
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(**env),
-        start_new_session=True,  # a timeout kills torchrun's workers too, not only torchrun
-    )
-    try:
-        out, err = proc.communicate(timeout=RUN_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"{script.name} hung past {RUN_S} s:\n{err[-4000:]}") from None
-    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    return [dict(json.loads(ln)) for ln in lines]
+    return _torchrun_together([(script, nproc, args, env)], max_restarts)[0]
 
 
-def _torchrun(script: Path, nproc: int, *args: str, **env: str) -> dict[str, Any]:
-    """Run ``script`` under torch.distributed.run; rank 0's JSON line (the only one)."""
-    lines = _torchrun_all(script, nproc, *args, **env)
-    assert len(lines) == 1, lines
-    return lines[0]
+def _torchruns(*runs: Run) -> list[dict[str, Any]]:
+    """:func:`_torchrun_together`; per run, rank 0's JSON line (the only one)."""
+    outs = _torchrun_together(list(runs))
+    for lines in outs:
+        assert len(lines) == 1, lines
+    return [lines[0] for lines in outs]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(3 * RUN_S)
 def test_ddp_script_under_torchrun_trains_as_well_as_gloo() -> None:
     script = ROOT / "examples" / "ddp_backend.py"
-    gloo = _torchrun(script, 4, "--backend", "gloo", "--json")
-    clean = _torchrun(script, 4, "--json")
-    lossy = _torchrun(script, 4, "--json", GOSSIPNET_LOSS="0.1")
+    gloo, clean, lossy = _torchruns(
+        (script, 4, ("--backend", "gloo", "--json"), {}),
+        (script, 4, ("--json",), {}),
+        (script, 4, ("--json",), {"GOSSIPNET_LOSS": "0.1"}),
+    )
     assert clean["test_loss"] == pytest.approx(gloo["test_loss"], rel=1e-4)
     assert clean["lossy_rounds"] == clean["steps"]
     assert clean["packets_lost"] == 0
@@ -108,8 +134,7 @@ def test_ddp_script_under_torchrun_trains_as_well_as_gloo() -> None:
 def test_lightning_ddp_strategy_trains_through_gossipnet() -> None:
     pytest.importorskip("pytorch_lightning")
     script = HERE / "_lightning_worker.py"
-    gloo = _torchrun(script, 2, "gloo")
-    clean = _torchrun(script, 2, "gossipnet")
+    gloo, clean = _torchruns((script, 2, ("gloo",), {}), (script, 2, ("gossipnet",), {}))
     assert gloo["pg"] == "gloo"
     assert clean["pg"] == "gossipnet"
     assert clean["totals"]["lossy_rounds"] >= 40  # the gradients went through gossipnet
@@ -123,8 +148,7 @@ def test_lightning_ddp_strategy_trains_through_gossipnet() -> None:
 def test_fsdp2_trains_over_gossipnet_as_over_gloo() -> None:
     """FSDP2's all_gather_single / reduce_scatter_single: the same losses as gloo."""
     script = HERE / "_fsdp_worker.py"
-    gloo = _torchrun(script, 2, "gloo")
-    ours = _torchrun(script, 2, "gossipnet")
+    gloo, ours = _torchruns((script, 2, ("gloo",), {}), (script, 2, ("gossipnet",), {}))
     assert ours["losses"] == pytest.approx(gloo["losses"], rel=1e-4)
     assert ours["totals"]["calls_allgather"] > 0  # FSDP's all-gathers came through us
     assert ours["totals"]["calls_reduce_scatter"] > 0
