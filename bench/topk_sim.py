@@ -87,9 +87,14 @@ class _Shared:
     """The one model every worker holds, and its optimizer (stock or catch-up)."""
 
     def __init__(
-        self, params: list[torch.Tensor], opt: torch.optim.Optimizer, catch_up: bool
+        self,
+        params: list[torch.Tensor],
+        opt: torch.optim.Optimizer,
+        catch_up: bool,
+        max_age: int = MAX_AGE,
     ) -> None:
         self.params, self.opt, self.catch_up = params, opt, catch_up
+        self.max_age = max_age
         self.n = sum(p.numel() for p in params)
         self.last = torch.zeros(self.n, dtype=torch.int64)
 
@@ -103,7 +108,7 @@ class _Shared:
             self.opt.step()
             return
         age = torch.zeros(self.n)
-        age[idx] = (step + 1 - self.last[idx]).clamp(1, MAX_AGE).to(torch.float32)
+        age[idx] = (step + 1 - self.last[idx]).clamp(1, self.max_age).to(torch.float32)
         self.last[idx] = step + 1
         off, group = 0, self.opt.param_groups[0]
         for p in self.params:
@@ -148,6 +153,7 @@ def run(
     sgd_lr: float,
     lag: bool,
     acc_args: Any = None,
+    max_age: int = MAX_AGE,
 ) -> tuple[float, float]:
     """Train one row; the final quality."""
     make = TASKS[task](seed, steps)
@@ -163,7 +169,7 @@ def run(
         if name == "sgd"
         else torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     )
-    shared = _Shared(params, opt, catch_up=name in ("catchup", "select", "acc"))
+    shared = _Shared(params, opt, catch_up=name in ("catchup", "select", "acc"), max_age=max_age)
     errors = [torch.zeros(shared.n) for _ in range(WORKERS)]
     ahead: torch.Tensor | None = None  # --lag: the set chosen one step early
     acc = _accordion(name, density, params, acc_args)
@@ -263,6 +269,9 @@ def main() -> None:
     parser.add_argument("--acc-interval", type=int, default=10)
     parser.add_argument("--acc-threshold", type=float, default=0.5)
     parser.add_argument("--acc-observe", choices=("own", "mean"), default="own")
+    parser.add_argument(
+        "--max-age", type=int, default=MAX_AGE, help="the largest age a catch-up step takes"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = 60 if args.quick else args.steps
@@ -272,7 +281,7 @@ def main() -> None:
         if name not in ("adam", "catchup", "select", "sgd", "acc"):
             raise SystemExit(f"unknown optimizer {name!r} in row {row!r}")
         out[row], mean_d = run(
-            args.task, name, density, steps, args.seed, args.sgd_lr, args.lag, args
+            args.task, name, density, steps, args.seed, args.sgd_lr, args.lag, args, args.max_age
         )
         print(f"{row:24s} quality {out[row]:.4f} mean density {mean_d:.4f}", flush=True)
     emit_json(
