@@ -235,10 +235,11 @@ TASKS: dict[str, Callable[[int, int], Task]] = {"demo": demo_task, "regress": re
 #: chunks a peer stepped with its own values (``stale``, of ``chunks``), phases that
 #: ended at their deadline, packets lost on the wire (copies and parity may still
 #: have stood in), and the compressors' own counts of what loss cost them.
-LOSS_KEYS = (
-    "chunks", "stale", "timed_out", "packets_lost", "packets_expected", "arrived_behind",
-    "index_mismatch", "missed_announcement", "sketch_only", "ef_unresolved",
+#: The counts a round's ``extra`` carries (the engine's and the compressors').
+EXTRA_KEYS = (
+    "arrived_behind", "index_mismatch", "missed_announcement", "sketch_only", "ef_unresolved"
 )  # fmt: skip
+LOSS_KEYS = ("chunks", "stale", "timed_out", "packets_lost", "packets_expected", *EXTRA_KEYS)
 
 
 def tally(seen: dict[str, float], rep: Any) -> None:
@@ -248,7 +249,7 @@ def tally(seen: dict[str, float], rep: Any) -> None:
     seen["timed_out"] += bool(rep.timed_out)
     seen["packets_lost"] += rep.packets_lost
     seen["packets_expected"] += rep.packets_received + rep.packets_lost
-    for k in LOSS_KEYS[5:]:
+    for k in EXTRA_KEYS:
         seen[k] += rep.extra.get(k, 0.0)
 
 
@@ -513,7 +514,7 @@ def main() -> None:
               + (f" critical={r.extra['critical']:.3f}" if "critical" in r.extra else "")
               + f" stale={r.extra['stale'] / max(1.0, r.extra['chunks']):.2%}"
               + f" lost={r.extra['packets_lost'] / max(1.0, r.extra['packets_expected']):.2%}"
-              + "".join(f" {k}={r.extra[k]:g}" for k in LOSS_KEYS[2:3] + LOSS_KEYS[5:]),
+              + "".join(f" {k}={r.extra[k]:g}" for k in ("timed_out", *EXTRA_KEYS)),
               flush=True)  # fmt: skip
     emit_json(summarise(results, d, args.values))
 

@@ -1,8 +1,8 @@
 """Real clients of the ``gossipnet`` torch.distributed backend, in real processes.
 
 * the plain DDP script ``examples/ddp_backend.py`` under ``torch.distributed.run`` with 4
-  processes: the same held-out loss as gloo lossless, within 1% at 10% injected loss,
-  every replica identical;
+  processes: the same held-out loss as gloo lossless, within 2% in one run at 10%
+  injected loss (the issue's 1% is the bench's median over seeds), every replica identical;
 * PyTorch Lightning's ``DDPStrategy(process_group_backend="gossipnet")``: trains through
   the backend (its counters) to gloo's loss (lossless; loss is the DDP script's subject:
   Lightning's gradients take the same backend path);
