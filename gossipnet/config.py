@@ -168,6 +168,7 @@ class Config:
     gc_freeze: bool = True
     local_ipc: bool = True
     local_stream: bool = True
+    local_shm: bool = True
     # wire
     max_header_bytes: int = 2048
     max_payload_bytes: int = 4 * 1024 * 1024

@@ -229,7 +229,8 @@ async def _sender_to_slow_reader(
     accepts and reads only when told; both closed after."""
     port = _free_port()
     slow = _SlowReader(port)
-    tx = ZmqTransport(Config(local_stream=True, send_queue_packets=queue))
+    # payloads inline (local_shm=False): the slow reader parses plain records
+    tx = ZmqTransport(Config(local_stream=True, local_shm=False, send_queue_packets=queue))
     await tx.start(lambda frames: None)
     try:
         yield tx, slow, f"tcp://127.0.0.1:{port}"

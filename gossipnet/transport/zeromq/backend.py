@@ -475,7 +475,7 @@ class ZmqTransport(Transport):
             if writer is not None:
                 if dst not in routes.push:
                     routes.ready_alias(dst)  # start connecting it for large groups
-                if group_bytes > STREAM_GROUP_MAX_BYTES:
+                if group_bytes > STREAM_GROUP_MAX_BYTES and writer.shm is None:
                     alias = routes.ready_alias(dst)
                     if alias is not None:
                         return self._push(alias, frames)

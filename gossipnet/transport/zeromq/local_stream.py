@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from gossipnet.transport.base import Buffer, LocalFrames, TransportStats, is_frozen
+from gossipnet.transport.zeromq.local_shm import DESC_FRAME, SHM_MIN_BYTES, ShmReader, ShmWriter
 
 __all__ = (
     "MAX_QUEUED_BYTES",
@@ -65,6 +66,16 @@ __all__ = (
 _log = logging.getLogger(__name__)
 
 MAGIC = 0x4753
+#: A record whose last frame describes one of the packet's frames, which is in shared
+#: memory (``local_shm.py``): ``DESC_FRAME`` = (its index among the packet's frames,
+#: slot, length, generation); the record's other frames are the packet's others.
+MAGIC_SHM = 0x4754
+#: The first record of a connection that shares memory: its one frame is 4 bytes
+#: (the segment format, :data:`SEG_VERSION`) and the segment's fd rides with it.
+MAGIC_SEG = 0x4755
+SEG_VERSION = 1
+#: Frames besides a shared payload stay on the stream: at most this many bytes of them.
+_SHM_INLINE_MAX = 32 * 1024
 _PREFIX = struct.Struct("<HHI")
 MAX_FRAMES = 16
 #: Bytes a destination may hold in user space beyond the kernel's buffer.
@@ -98,9 +109,9 @@ def _nbytes(frame: Buffer) -> int:
     return frame.nbytes if isinstance(frame, memoryview) else len(frame)
 
 
-def encode_prefix(sizes: Sequence[int]) -> bytes:
+def encode_prefix(sizes: Sequence[int], magic: int = MAGIC) -> bytes:
     """The record prefix of a packet whose frames have ``sizes``."""
-    return _PREFIX.pack(MAGIC, len(sizes), sum(sizes)) + struct.pack(f"<{len(sizes)}I", *sizes)
+    return _PREFIX.pack(magic, len(sizes), sum(sizes)) + struct.pack(f"<{len(sizes)}I", *sizes)
 
 
 class StreamWriter:
@@ -124,6 +135,8 @@ class StreamWriter:
         self.queued_packets = 0
         self.queued_bytes = 0
         self.closed = False
+        #: the segment large payloads go through (``local_shm.py``), once offered
+        self.shm: ShmWriter | None = None
         # The receiver never writes back: readable means it closed (or broke the
         # protocol).  Why watch: a writer idle after its peer left would otherwise
         # hold its descriptor until the next send or ``forget``.
@@ -139,13 +152,46 @@ class StreamWriter:
             return
         self._break(ConnectionResetError("peer closed" if not data else "peer wrote to us"))
 
+    def offer_shm(self, shm: ShmWriter) -> bool:
+        """Pass ``shm``'s fd to the receiver in the connection's first record; True if
+        it went (large payloads then take the segment), else ``shm`` is closed.
+
+        Call it before any other send: the receiver takes a segment only from the
+        stream's first record.
+        """
+        record = encode_prefix([4], MAGIC_SEG) + struct.pack("<I", SEG_VERSION)
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", shm.fd))]
+        try:
+            sent = self.sock.sendmsg([record], rights, _NOSIGNAL)
+        except OSError:
+            sent = 0
+        if sent == 0:  # nothing (and no fd) went: this stream carries payloads inline
+            shm.close()
+            return False
+        if sent < len(record):  # the fd went with the first byte; the rest follows
+            self._enqueue(record, (), sent)
+            self._loop.add_writer(self.sock.fileno(), self._flush)
+        self.shm = shm
+        return True
+
     def send(self, frames: Sequence[Buffer], sizes: list[int]) -> bool:
         """Write one packet, or queue what the kernel did not take; False = dropped, counted."""
         stats = self._stats
         if self.closed:
             stats.send_errors += 1
             return False
-        prefix = encode_prefix(sizes)
+        payload_bytes = sum(sizes)
+        magic = MAGIC
+        shm = self.shm
+        if shm is not None:
+            big = max(range(len(sizes)), key=sizes.__getitem__)
+            if sizes[big] >= SHM_MIN_BYTES and payload_bytes - sizes[big] <= _SHM_INLINE_MAX:
+                desc = shm.put(frames[big])
+                if desc is not None:  # that frame went to a slot; its descriptor goes last
+                    frames = [*frames[:big], *frames[big + 1 :], struct.pack("<I", big) + desc]
+                    sizes = [*sizes[:big], *sizes[big + 1 :], DESC_FRAME.size]
+                    magic = MAGIC_SHM
+        prefix = encode_prefix(sizes, magic)
         total = len(prefix) + sum(sizes)
         if self._queue:
             if (
@@ -168,7 +214,7 @@ class StreamWriter:
                 self._enqueue(prefix, frames, sent)
                 self._loop.add_writer(self.sock.fileno(), self._flush)
         stats.sent_packets += 1
-        stats.sent_bytes += total - len(prefix)
+        stats.sent_bytes += payload_bytes
         return True
 
     def _enqueue(self, prefix: bytes, frames: Sequence[Buffer], skip: int) -> None:
@@ -233,6 +279,9 @@ class StreamWriter:
         self.sock.close()
         self._queue.clear()
         self.queued_packets = self.queued_bytes = 0
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
 
 class _Reader:
@@ -248,6 +297,10 @@ class _Reader:
         self.body: memoryview | None = None
         self.lens: tuple[int, ...] = ()
         self.filled = 0
+        #: the writer's segment (``local_shm.py``), from the stream's first record
+        self.shm: ShmReader | None = None
+        self.first = True  # no record parsed yet: one may bring a segment's fd
+        self.fd: int | None = None  # a segment's fd, received, not yet mapped
 
     def on_readable(self) -> None:
         out: list[list[memoryview]] = []
@@ -269,7 +322,10 @@ class _Reader:
         body = self.body
         target = body[self.filled :] if body is not None else self.view[self.end :]
         try:
-            n = self.sock.recv_into(target)
+            if self.first:  # the first record may carry an fd: ask for it
+                n = self._recv_fd(target)
+            else:
+                n = self.sock.recv_into(target)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as err:
@@ -288,6 +344,30 @@ class _Reader:
         self.end += n
         return self._parse(out) and full
 
+    def _recv_fd(self, target: memoryview) -> int:
+        """``recv_into`` that also takes an fd passed with the bytes (``SCM_RIGHTS``)."""
+        n, ancdata, _flags, _ = self.sock.recvmsg_into([target], socket.CMSG_SPACE(4 * 4))
+        for level, kind, data in ancdata:
+            if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
+                continue
+            fds = list(struct.unpack(f"{len(data) // 4}i", data[: len(data) // 4 * 4]))
+            if self.fd is None and fds:
+                self.fd = fds.pop(0)
+            for extra in fds:  # more than a segment's: never ours to keep
+                os.close(extra)
+        return n
+
+    def _segment(self) -> bool:
+        """Map the segment the first record announced; False if it cannot be used."""
+        fd, self.fd = self.fd, None
+        if fd is None:
+            return False
+        try:
+            self.shm = ShmReader(fd)
+        except (OSError, ValueError):
+            return False
+        return True
+
     def _partial(self) -> bool:
         return self.body is not None or self.end > self.start
 
@@ -297,7 +377,12 @@ class _Reader:
         while self.end - self.start >= _PREFIX.size:
             start = self.start
             magic, count, body = _PREFIX.unpack_from(buf, start)
-            if magic != MAGIC or not 1 <= count <= MAX_FRAMES or body > self.inbox.max_packet:
+            if (
+                magic not in (MAGIC, MAGIC_SHM, MAGIC_SEG)
+                or not 1 <= count <= MAX_FRAMES
+                or body > self.inbox.max_packet
+                or (magic != MAGIC and body > _SMALL)
+            ):
                 self.inbox.close_reader(self, "garbage record prefix", partial=True)
                 return False
             head = _PREFIX.size + 4 * count
@@ -308,6 +393,14 @@ class _Reader:
                 self.inbox.close_reader(self, "record lengths do not add up", partial=True)
                 return False
             have = self.end - start - head
+            if magic != MAGIC:
+                if have < body:
+                    break
+                self.start = start + head + body
+                if not self._special(magic, view[start + head : self.start], lens, out):
+                    return False
+                continue
+            self.first = False
             if body <= _SMALL:
                 if have < body:
                     break
@@ -332,6 +425,38 @@ class _Reader:
             rest = self.end - self.start
             view[:rest] = view[self.start : self.end]
             self.start, self.end = 0, rest
+        return True
+
+    def _special(
+        self, magic: int, body: memoryview, lens: tuple[int, ...], out: list[list[memoryview]]
+    ) -> bool:
+        """A segment's announcement or a packet whose payload is in it; False if the
+        stream broke the protocol (the connection is closed, counted)."""
+        if magic == MAGIC_SEG:
+            ok = (
+                self.first
+                and lens == (4,)
+                and struct.unpack("<I", body)[0] == SEG_VERSION
+                and self._segment()
+            )
+            self.first = False
+            if not ok:
+                self.inbox.close_reader(self, "unusable shared-memory segment", partial=True)
+            return ok
+        self.first = False
+        shm = self.shm
+        if shm is None or lens[-1] != DESC_FRAME.size:
+            self.inbox.close_reader(self, "shared payload without a segment", partial=True)
+            return False
+        frames = self._frames(memoryview(bytearray(body)), lens)
+        desc = frames.pop()
+        index = struct.unpack_from("<I", desc)[0]
+        payload = shm.take(desc[4:]) if index <= len(frames) else None
+        if payload is None:  # a descriptor that names no payload of ours: this packet only
+            self.inbox.dropped_shm()
+            return True
+        frames.insert(index, payload)
+        out.append(frames)
         return True
 
     @staticmethod
@@ -416,6 +541,11 @@ class StreamInbox:
         stats.recv_bytes += sum(v.nbytes for frames in packets for v in frames)
         self._deliver(packets)
 
+    def dropped_shm(self) -> None:
+        """A shared payload's descriptor did not match its segment: one packet dropped."""
+        self._stats.dropped_malformed += 1
+        _log.debug("same-host stream %s: a shared payload's descriptor is stale", self.path)
+
     def close_reader(self, reader: _Reader, why: str, *, partial: bool) -> None:
         """Drop one connection; a record cut short or unparsable counts as one drop."""
         if partial:
@@ -426,6 +556,11 @@ class StreamInbox:
             with contextlib.suppress(ValueError, OSError):
                 self._loop.remove_reader(fd)
         reader.sock.close()
+        if reader.fd is not None:  # received, never mapped
+            with contextlib.suppress(OSError):
+                os.close(reader.fd)
+            reader.fd = None
+        reader.shm = None  # the mapping lives on while delivered payloads do
 
     def close(self) -> None:
         """Stop accepting and reading; remove the socket file."""

@@ -20,6 +20,7 @@ from gossipnet.config import Config
 from gossipnet.errors import ConfigError
 from gossipnet.transport.address import split_address, split_host_port
 from gossipnet.transport.base import TransportStats
+from gossipnet.transport.zeromq import local_shm
 from gossipnet.transport.zeromq.local_ipc import ALIASED_HOST, stream_path
 from gossipnet.transport.zeromq.local_stream import RETRY_S, SNDBUF_BYTES, StreamWriter
 
@@ -83,6 +84,13 @@ class StreamRoutes:
         self._skip.pop(dst, None)
         limit = self._config.send_queue_packets
         w = StreamWriter(sock, self._loop, self._stats, limit, self._broken)
+        if self._config.local_shm and local_shm.available():
+            try:
+                shm = local_shm.ShmWriter()
+            except OSError:  # no memfd (old kernel, seccomp): payloads stay inline
+                shm = None
+            if shm is not None:
+                w.offer_shm(shm)
         self.writers[dst] = w
         return w
 
