@@ -52,7 +52,16 @@ import numpy as np
 
 from gossipnet.transport.base import Buffer
 
-__all__ = ("DESC", "DESC_FRAME", "SHM_MIN_BYTES", "SLOTS", "SLOT_BYTES", "ShmReader", "ShmWriter", "available")
+__all__ = (
+    "DESC",
+    "DESC_FRAME",
+    "SHM_MIN_BYTES",
+    "SLOTS",
+    "SLOT_BYTES",
+    "ShmReader",
+    "ShmWriter",
+    "available",
+)
 
 #: Slots per segment: with :data:`SLOT_BYTES`, 64 MiB a stalled receiver can hold,
 #: as much as a stream's user-space queue (``local_stream.MAX_QUEUED_BYTES``); a

@@ -322,10 +322,8 @@ class _Reader:
         body = self.body
         target = body[self.filled :] if body is not None else self.view[self.end :]
         try:
-            if self.first:  # the first record may carry an fd: ask for it
-                n = self._recv_fd(target)
-            else:
-                n = self.sock.recv_into(target)
+            # the first record may carry a segment's fd: ask for it until it is parsed
+            n = self._recv_fd(target) if self.first else self.sock.recv_into(target)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as err:
