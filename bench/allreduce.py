@@ -9,13 +9,16 @@ Setup: 4 spawned processes on 127.0.0.1, one float32 tensor per size; each
 process holds different random values.  Rows ("cases"):
   gloo                 ``dist.all_reduce`` (sum) then ``div_(world)``: the same mean
   gossipnet            ``Peer.all_reduce([t])`` over the ZeroMQ backend, default Config:
-                       peers on 127.0.0.1 reach each other over Unix sockets, rounds of
-                       chunks up to 1 MiB over a stream the event loops serve
-                       themselves, larger ones over ZeroMQ's alias (``Config.local_ipc``,
-                       ``Config.local_stream``)
+                       peers on 127.0.0.1 reach each other over a Unix stream the event
+                       loops serve themselves, payloads through shared memory
+                       (``Config.local_ipc``, ``local_stream``, ``local_shm``)
   gossipnet tcp        the same over TCP (``Config(local_ipc=False)``), as gloo is
   gossipnet alias      the same over ZeroMQ's Unix-socket alias alone
                        (``Config(local_stream=False)``)
+  gossipnet no shm     the same with every payload inline on the stream, rounds of
+                       chunks above 1 MiB over the alias (``Config(local_shm=False)``;
+                       the default sends payloads of 64 KiB and more through shared
+                       memory, ``transport/zeromq/local_shm.py``)
   gossipnet chunk NK   the same with ``Config(chunk_bytes=N KiB)``
   ... loss 10%         ``FaultPlan(loss=0.1)`` on every packet each peer sends
 
@@ -339,6 +342,12 @@ def build_plan(
     cases.append(Case(f"{DEFAULT} tcp", "gossipnet", overrides={"local_ipc": False}))
     # every same-host packet over ZeroMQ's own alias, none over the loop-served stream
     cases.append(Case(f"{DEFAULT} alias", "gossipnet", overrides={"local_stream": False}))
+    import gossipnet
+
+    if "local_shm" in gossipnet.Config.__dataclass_fields__:  # older checkouts run too
+        # the stream with every payload inline (the socket's two copies), large rounds
+        # over the alias: the library before shared-memory payloads
+        cases.append(Case(f"{DEFAULT} no shm", "gossipnet", overrides={"local_shm": False}))
     cases += [Case(f"{name} loss 10%", "gossipnet", LOSS, o) for name, o in variants]
     if reorder:
         cases.append(Case(f"{DEFAULT} reorder {reorder:.0%}", "gossipnet", reorder=reorder))

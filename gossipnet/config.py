@@ -66,17 +66,22 @@ class Config:
         local_stream: with ``local_ipc``, also reach peers on ``127.0.0.1`` over a Unix
             stream socket that the event loop reads and writes itself, not through
             ZeroMQ's I/O threads (``transport/zeromq/local_stream.py``; same private
-            directory, same unsigned payloads), and choose per collective round: rounds
-            of chunks up to 1 MiB take the stream, larger ones ZeroMQ's alias
-            (``Transport.send``'s ``group_bytes``; one round never splits across the
-            two, so its END never overtakes its data).  Why: each thread hand-off
-            after an idle gap costs scheduling latency, which the stream saves small
-            rounds, while at 4 MiB per packet ZeroMQ's I/O thread makes the kernel
-            copies beside the loop's reduction.  A 1M float32 all-reduce across four
-            local processes: 1.28x gloo's time against 1.48x with the alias alone;
-            25M: 0.88x against 0.90x (medians of seven paired runs, docs/benchmarks.md,
-            "Issue 21, session 16").  Peers without the stream are reached as before.
-            False: ZeroMQ's alias for everything.
+            directory, same unsigned payloads).  Why: each thread hand-off after an
+            idle gap costs scheduling latency.  Without ``local_shm`` a collective
+            round chooses: chunks up to 1 MiB take the stream, larger ones ZeroMQ's
+            alias, whose I/O thread makes the kernel copies beside the loop's
+            reduction (``Transport.send``'s ``group_bytes``; one round never splits
+            across the two, so its END never overtakes its data).  Peers without the
+            stream are reached as before.  False: ZeroMQ's alias for everything.
+        local_shm: with ``local_stream``, payloads of 64 KiB and more travel through
+            shared memory (``transport/zeromq/local_shm.py``): the sender copies each
+            into a slot of a segment only its receiver maps, the stream carries a
+            16-byte descriptor, and the receiver reads the payload in place: one copy
+            instead of the socket's two, so every round takes the stream.  Up to 64
+            MiB per connection (16 slots of 4 MiB; a full segment sends inline).  A
+            25M float32 all-reduce across four local processes: 0.83x gloo's time
+            against 1.09x over ZeroMQ's alias in the same run; 1M: 1.28x against
+            1.57x (``bench/allreduce.py``, docs/benchmarks.md "Issue 21, session 21").
     Wire
         max_header_bytes: larger msgpack headers are dropped before parsing.
         max_payload_bytes: larger payloads are dropped before any copy.

@@ -1,15 +1,16 @@
 """Two channels to one same-host peer: which packets take the stream, which the alias.
 
-With ``Config.local_stream`` a ``127.0.0.1`` peer is reachable over two local
-channels: the loop-served stream and ZeroMQ's alias.  ``ZmqTransport.send``
-picks one per packet from its ``group_bytes`` (a collective round's chunk
-size) alone: groups above ``STREAM_GROUP_MAX_BYTES`` take the alias once it is
-connected, everything else the stream.  What could go wrong, and is checked
-here: a group split across the two channels (an END overtaking its round's
-data on the faster one); a large group sent over the alias before it is
-connected (ZeroMQ drops those) or over TCP unsigned; and a peer missing either
-channel losing packets instead of using the other.  Waits poll a condition
-with a deadline.
+With ``Config.local_stream`` a ``127.0.0.1`` peer is reachable over two local channels:
+the loop-served stream and ZeroMQ's alias. ``ZmqTransport.send`` picks one per packet
+from its ``group_bytes`` (a collective round's chunk size) alone: groups above
+``STREAM_GROUP_MAX_BYTES`` take the alias once it is connected, everything else the
+stream, unless the stream carries payloads through shared memory (``Config.local_shm``):
+then every group takes it. These tests pin the sender to ``local_shm=False`` except the
+last, which checks that rule. What could go wrong, and is checked here: a group split
+across the two channels (an END overtaking its round's data on the faster one); a large
+group sent over the alias before it is connected (ZeroMQ drops those) or over TCP
+unsigned; and a peer missing either channel losing packets instead of using the other.
+Waits poll a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ class _Channels:
         return {ch for head, ch in self.log if head.startswith(prefix)}
 
 
-async def _pair(rx_config: Config) -> tuple[ZmqTransport, ZmqTransport, list[Any]]:
+async def _pair(
+    rx_config: Config, tx_config: Config | None = None
+) -> tuple[ZmqTransport, ZmqTransport, list[Any]]:
     got: list[Any] = []  # (frame type, first frame) per packet, in arrival order
-    rx, tx = ZmqTransport(rx_config), ZmqTransport(Config(local_stream=True))
+    tx_config = tx_config or Config(local_stream=True, local_shm=False)
+    rx, tx = ZmqTransport(rx_config), ZmqTransport(tx_config)
     await rx.start(lambda frames: got.append((type(frames), bytes(frames[0]))))
     await tx.start(lambda frames: None)
     return rx, tx, got
@@ -184,5 +188,30 @@ def test_a_peer_that_closes_leaves_neither_its_stream_nor_its_alias_open(
         await wait_until(gone, WAIT_S, what="both sockets to close")
         assert not tx._routes.is_local(rx.address)
         await tx.close()
+
+    asyncio.run(main())
+
+
+def test_with_shared_memory_every_group_takes_the_stream_in_order(wait_until: Any) -> None:
+    """``local_shm``: large rounds' payloads go through slots, so the alias's I/O
+    thread has no kernel copies to take off the loop: every group takes the stream."""
+
+    async def main() -> None:
+        rx, tx, got = await _pair(Config(local_stream=True), Config(local_stream=True))
+        channels = _Channels(tx)
+        assert tx.send(rx.address, [b"hello"])
+        ready = lambda: tx._routes.ready_alias(rx.address) is not None  # noqa: E731
+        await wait_until(ready, WAIT_S, what="the alias to connect")
+        big = _round(b"big", 6, 100_000)
+        for frames in big:
+            assert tx.send(rx.address, frames, group_bytes=LARGE)
+        await wait_until(lambda: len(got) == 1 + len(big), WAIT_S, what="every packet")
+        assert channels.of(b"big") == {"stream"}
+        assert _heads(got, b"big") == [b"big-%02d" % i for i in range(6)] + [b"big-end"]
+        writer = tx._streams.writers[rx.address]  # type: ignore[union-attr]
+        assert writer.shm is not None
+        assert writer.shm.full == 0  # the payloads took slots
+        await tx.close()
+        await rx.close()
 
     asyncio.run(main())
