@@ -75,13 +75,15 @@ class Config:
             stream are reached as before.  False: ZeroMQ's alias for everything.
         local_shm: with ``local_stream``, payloads of 64 KiB and more travel through
             shared memory (``transport/zeromq/local_shm.py``): the sender copies each
-            into a slot of a segment only its receiver maps, the stream carries a
-            16-byte descriptor, and the receiver reads the payload in place: one copy
-            instead of the socket's two, so every round takes the stream.  Up to 64
-            MiB per connection (16 slots of 4 MiB; a full segment sends inline).  A
-            25M float32 all-reduce across four local processes: 0.83x gloo's time
-            against 1.09x over ZeroMQ's alias in the same run; 1M: 1.28x against
-            1.57x (``bench/allreduce.py``, docs/benchmarks.md "Issue 21, session 21").
+            into a slot of a segment its same-host receivers map (one copy for all of
+            them when the same packet goes to several), the stream carries a 16-byte
+            descriptor, and each receiver reads the payload in place: one copy
+            instead of the socket's two, so every round takes the stream.  Up to 128
+            MiB per sending peer (32 slots of 4 MiB, pages only where written; a full
+            segment sends inline).  A 25M float32 all-reduce across four local
+            processes: 0.83x gloo's time against 1.09x over ZeroMQ's alias in the same
+            run; 1M: 1.28x against 1.57x (``bench/allreduce.py``, docs/benchmarks.md
+            "Issue 21, session 21").
     Wire
         max_header_bytes: larger msgpack headers are dropped before parsing.
         max_payload_bytes: larger payloads are dropped before any copy.

@@ -40,9 +40,15 @@ pytestmark = [
 WAIT_S = 5.0  # deadline of every wait on a condition (the conftest's ``wait_until``)
 
 
-def _states(w: Any) -> bytes:
-    """The writer's slot state bytes (0 = free)."""
-    return bytes(w.shm._mm[: _shm.SLOTS])
+def _states(w: Any) -> list[bytes]:
+    """The segment's state rows, one per slot (all 0 = free)."""
+    r = _shm.READERS
+    return [bytes(w.shm._mm[i * r : (i + 1) * r]) for i in range(_shm.SLOTS)]
+
+
+def _free(w: Any) -> int:
+    """How many slots are free."""
+    return sum(row == bytes(_shm.READERS) for row in _states(w))
 
 
 def _in_shm(frame: memoryview) -> bool:
@@ -83,7 +89,7 @@ def test_large_payloads_go_through_slots_arrive_whole_and_free_them(wait_until: 
         assert w.shm is not None
         assert w.shm.full == 0
         # freed as soon as the handler let go of the views (it copied them)
-        await wait_until(lambda: _states(w) == bytes(_shm.SLOTS), WAIT_S, what="free slots")
+        await wait_until(lambda: _free(w) == _shm.SLOTS, WAIT_S, what="free slots")
         assert rx.stats.dropped_malformed == 0
         assert tx.stats.sent_bytes == rx.stats.recv_bytes == sum(sizes) + 8 * len(sizes)
         await tx.close()
@@ -107,10 +113,10 @@ def test_a_kept_payload_keeps_its_slot_and_a_full_segment_sends_inline(
         w = tx._streams.writers[rx.address]  # type: ignore[union-attr]
         assert w.shm is not None
         assert w.shm.full == 3
-        assert b"\x00" not in _states(w)  # every slot held by a kept payload
+        assert _free(w) == 0  # every slot held by a kept payload
         del got[:3]  # the handler lets three go
         gc.collect()
-        await wait_until(lambda: _states(w).count(0) == 3, WAIT_S, what="three free slots")
+        await wait_until(lambda: _free(w) == 3, WAIT_S, what="three free slots")
         assert tx.send(rx.address, [b"h", payloads[0]])
         await wait_until(lambda: len(got) == n - 2, WAIT_S, what="one more packet")
         assert _in_shm(got[-1][1])
@@ -118,7 +124,7 @@ def test_a_kept_payload_keeps_its_slot_and_a_full_segment_sends_inline(
         assert [bytes(frames[1]) for frames in got[:-1]] == payloads[3:]  # still intact
         got.clear()
         gc.collect()
-        await wait_until(lambda: _states(w) == bytes(_shm.SLOTS), WAIT_S, what="all free")
+        await wait_until(lambda: _free(w) == _shm.SLOTS, WAIT_S, what="all free")
         await tx.close()
         await rx.close()
 
@@ -140,11 +146,14 @@ def test_local_shm_false_sends_payloads_inline(wait_until: Any) -> None:
     asyncio.run(main())
 
 
-def _seg_client(path: str, fd: int, version: int = _ls.SEG_VERSION) -> socket.socket:
-    """A raw stream client that announces the segment ``fd`` as its first record."""
+def _seg_client(
+    path: str, fd: int, version: int = _shm.SEG_VERSION, reader: int = 0
+) -> socket.socket:
+    """A raw stream client that announces the segment ``fd`` (as column ``reader``) as its
+    first record."""
     client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     client.connect(path)
-    record = _ls.encode_prefix([4], _ls.MAGIC_SEG) + struct.pack("<I", version)
+    record = _ls.encode_prefix([_shm.SEG.size], _ls.MAGIC_SEG) + _shm.SEG.pack(version, reader)
     client.sendmsg([record], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
     return client
 
@@ -162,8 +171,8 @@ def test_forged_or_stale_descriptors_are_counted_drops_of_that_packet_only(
         assert rx._inbox is not None
         assert rx._inbox.path is not None
         seg = _shm.ShmWriter()
-        client = _seg_client(rx._inbox.path, seg.fd)
-        desc = seg.put(b"P" * 100_000)
+        client = _seg_client(rx._inbox.path, seg.fd, reader=seg.attach() or 0)
+        desc = seg.put(b"P" * 100_000, 0)
         assert desc is not None
         slot, n, gen = _shm.DESC.unpack(desc)
         forged = [
@@ -195,7 +204,9 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-@pytest.mark.parametrize("case", ["no-segment", "wrong-size", "wrong-version", "second-seg"])
+@pytest.mark.parametrize(
+    "case", ["no-segment", "wrong-size", "wrong-version", "bad-reader", "second-seg"]
+)
 def test_a_shared_payload_without_a_usable_segment_closes_that_connection(
     case: str, wait_until: Any
 ) -> None:
@@ -215,14 +226,16 @@ def test_a_shared_payload_without_a_usable_segment_closes_that_connection(
             bad = _seg_client(path, fd)
             os.close(fd)
         elif case == "wrong-version":
-            bad = _seg_client(path, seg.fd, version=_ls.SEG_VERSION + 1)
+            bad = _seg_client(path, seg.fd, version=_shm.SEG_VERSION + 1)
+        elif case == "bad-reader":
+            bad = _seg_client(path, seg.fd, reader=_shm.READERS)
         else:  # a segment announced after the first record
             bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             bad.connect(path)
             bad.sendall(_ls.encode_prefix([2]) + b"ok")
             await wait_until(lambda: len(got) == 1, WAIT_S, what="the first record")
-            record = _ls.encode_prefix([4], _ls.MAGIC_SEG) + struct.pack("<I", _ls.SEG_VERSION)
-            bad.sendall(record)
+            seg_body = _shm.SEG.pack(_shm.SEG_VERSION, 0)
+            bad.sendall(_ls.encode_prefix([_shm.SEG.size], _ls.MAGIC_SEG) + seg_body)
         await wait_until(lambda: rx.stats.dropped_malformed == 1, WAIT_S, what="the drop")
         assert await asyncio.to_thread(_closed_by_peer, bad)
         bad.close()
@@ -237,26 +250,76 @@ def test_a_shared_payload_without_a_usable_segment_closes_that_connection(
 
 def test_slots_take_generations_and_free_only_their_own() -> None:
     w = _shm.ShmWriter()
-    r = _shm.ShmReader(os.dup(w.fd))  # a descriptor of its own, as a receiver has
-    assert w.put(b"x" * (_shm.SLOT_BYTES + 1)) is None  # inline: larger than a slot
+    me = w.attach()
+    assert me == 0
+    r = _shm.ShmReader(os.dup(w.fd), me)  # a descriptor of its own, as a receiver has
+    assert w.put(b"x" * (_shm.SLOT_BYTES + 1), me) is None  # inline: larger than a slot
     gens = []
     for _ in range(300):
-        desc = w.put(b"abc")
+        desc = w.put(bytearray(b"abc"), me)  # writable: a copy (and a generation) each
         assert desc is not None
         view = r.take(memoryview(desc))
         assert view is not None
         assert bytes(view) == b"abc"
         gens.append(_shm.DESC.unpack(desc)[2])
         del view  # the last view: reference counting frees the slot now
-    assert 0 not in gens
+    assert 0 not in gens  # never the free marker
     assert max(gens) == 255
     assert r.take(memoryview(b"short")) is None
-    desc = w.put(b"held")
+    desc = w.put(b"held", me)
     assert desc is not None
     slot = _shm.DESC.unpack(desc)[0]
-    _shm._release(r._mm, slot, 7)  # another generation's release: ignored
-    assert w._mm[slot] != 0
+    state = slot * _shm.READERS + me
+    _shm._release(r._mm, set(), state, 7)  # another generation's release: ignored
+    assert w._mm[state] != 0
     view = r.take(memoryview(desc))
     del view
-    assert w._mm[slot] == 0
+    assert w._mm[state] == 0
     w.close()
+
+
+def test_one_frozen_frame_to_several_readers_takes_one_slot_until_all_let_go() -> None:
+    w = _shm.ShmWriter()
+    a, b, c = w.attach(), w.attach(), w.attach()
+    assert (a, b, c) == (0, 1, 2)
+    ra, rb = _shm.ShmReader(os.dup(w.fd), 0), _shm.ShmReader(os.dup(w.fd), 1)
+    frozen = memoryview(bytearray(os.urandom(100_000))).toreadonly()
+    da, db = w.put(frozen, 0), w.put(frozen, 1)
+    assert da is not None
+    assert db is not None
+    assert _shm.DESC.unpack(da)[0] == _shm.DESC.unpack(db)[0]  # one slot, one copy
+    assert w.shared == 1
+    va, vb = ra.take(memoryview(da)), rb.take(memoryview(db))
+    assert va is not None
+    assert vb is not None
+    assert rb.take(memoryview(db)) is None  # a name taken twice: the second is refused
+    assert bytes(va) == bytes(vb) == bytes(frozen)
+    del va
+    nxt = w.put(os.urandom(10), 2)  # reader 1 still reads the slot: another one
+    assert nxt is not None
+    assert _shm.DESC.unpack(nxt)[0] != _shm.DESC.unpack(da)[0]
+    del vb
+    again = w.put(os.urandom(10), 2)  # now free: the lowest slot again
+    assert again is not None
+    assert _shm.DESC.unpack(again)[0] == _shm.DESC.unpack(da)[0]
+    # a writable frame is copied for each reader: it may change between the sends
+    mutable = bytearray(100_000)
+    d1, d2 = w.put(mutable, 0), w.put(mutable, 1)
+    assert d1 is not None
+    assert d2 is not None
+    assert _shm.DESC.unpack(d1)[0] != _shm.DESC.unpack(d2)[0]
+    w.close()
+
+
+def test_a_segment_serves_readers_columns_once_and_closes_after_its_last() -> None:
+    w = _shm.ShmWriter()
+    columns = [w.attach() for _ in range(_shm.READERS)]
+    assert columns == list(range(_shm.READERS))
+    assert w.exhausted
+    assert w.attach() is None  # a retired column is never handed out again
+    for _ in columns[:-1]:
+        w.detach()
+    assert not w.closed
+    w.detach()
+    assert w.closed  # no one attached and no one can: unmapped
+    assert w.put(b"x" * 100_000, 0) is None  # inline from then on

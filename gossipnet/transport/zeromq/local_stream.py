@@ -52,7 +52,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from gossipnet.transport.base import Buffer, LocalFrames, TransportStats, is_frozen
-from gossipnet.transport.zeromq.local_shm import DESC_FRAME, SHM_MIN_BYTES, ShmReader, ShmWriter
+from gossipnet.transport.zeromq.local_shm import (
+    DESC_FRAME,
+    SEG,
+    SEG_VERSION,
+    SHM_MIN_BYTES,
+    ShmReader,
+    ShmWriter,
+)
 
 __all__ = (
     "MAX_QUEUED_BYTES",
@@ -70,10 +77,10 @@ MAGIC = 0x4753
 #: memory (``local_shm.py``): ``DESC_FRAME`` = (its index among the packet's frames,
 #: slot, length, generation); the record's other frames are the packet's others.
 MAGIC_SHM = 0x4754
-#: The first record of a connection that shares memory: its one frame is 4 bytes
-#: (the segment format, :data:`SEG_VERSION`) and the segment's fd rides with it.
+#: The first record of a connection that shares memory: its one frame is
+#: ``local_shm.SEG`` (the segment format, this connection's reader index) and the
+#: segment's fd rides with it.
 MAGIC_SEG = 0x4755
-SEG_VERSION = 1
 #: Frames besides a shared payload stay on the stream: at most this many bytes of them.
 _SHM_INLINE_MAX = 32 * 1024
 _PREFIX = struct.Struct("<HHI")
@@ -135,8 +142,10 @@ class StreamWriter:
         self.queued_packets = 0
         self.queued_bytes = 0
         self.closed = False
-        #: the segment large payloads go through (``local_shm.py``), once offered
+        #: the segment large payloads go through (``local_shm.py``), once offered,
+        #: and our receiver's column in it
         self.shm: ShmWriter | None = None
+        self.shm_reader = -1
         # The receiver never writes back: readable means it closed (or broke the
         # protocol).  Why watch: a writer idle after its peer left would otherwise
         # hold its descriptor until the next send or ``forget``.
@@ -152,26 +161,27 @@ class StreamWriter:
             return
         self._break(ConnectionResetError("peer closed" if not data else "peer wrote to us"))
 
-    def offer_shm(self, shm: ShmWriter) -> bool:
-        """Pass ``shm``'s fd to the receiver in the connection's first record; True if
-        it went (large payloads then take the segment), else ``shm`` is closed.
+    def offer_shm(self, shm: ShmWriter, reader: int) -> bool:
+        """Pass ``shm``'s fd and our column ``reader`` to the receiver in the
+        connection's first record; True if it went (large payloads then take the
+        segment), else the column is given back.
 
         Call it before any other send: the receiver takes a segment only from the
         stream's first record.
         """
-        record = encode_prefix([4], MAGIC_SEG) + struct.pack("<I", SEG_VERSION)
+        record = encode_prefix([SEG.size], MAGIC_SEG) + SEG.pack(SEG_VERSION, reader)
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", shm.fd))]
         try:
             sent = self.sock.sendmsg([record], rights, _NOSIGNAL)
         except OSError:
             sent = 0
         if sent == 0:  # nothing (and no fd) went: this stream carries payloads inline
-            shm.close()
+            shm.detach()
             return False
         if sent < len(record):  # the fd went with the first byte; the rest follows
             self._enqueue(record, (), sent)
             self._loop.add_writer(self.sock.fileno(), self._flush)
-        self.shm = shm
+        self.shm, self.shm_reader = shm, reader
         return True
 
     def send(self, frames: Sequence[Buffer], sizes: list[int]) -> bool:
@@ -186,7 +196,7 @@ class StreamWriter:
         if shm is not None:
             big = max(range(len(sizes)), key=sizes.__getitem__)
             if sizes[big] >= SHM_MIN_BYTES and payload_bytes - sizes[big] <= _SHM_INLINE_MAX:
-                desc = shm.put(frames[big])
+                desc = shm.put(frames[big], self.shm_reader)
                 if desc is not None:  # that frame went to a slot; its descriptor goes last
                     frames = [*frames[:big], *frames[big + 1 :], struct.pack("<I", big) + desc]
                     sizes = [*sizes[:big], *sizes[big + 1 :], DESC_FRAME.size]
@@ -280,7 +290,7 @@ class StreamWriter:
         self._queue.clear()
         self.queued_packets = self.queued_bytes = 0
         if self.shm is not None:
-            self.shm.close()
+            self.shm.detach()
             self.shm = None
 
 
@@ -355,13 +365,14 @@ class _Reader:
                 os.close(extra)
         return n
 
-    def _segment(self) -> bool:
-        """Map the segment the first record announced; False if it cannot be used."""
+    def _segment(self, reader: int) -> bool:
+        """Map the segment the first record announced, as column ``reader``; False if
+        it cannot be used."""
         fd, self.fd = self.fd, None
         if fd is None:
             return False
         try:
-            self.shm = ShmReader(fd)
+            self.shm = ShmReader(fd, reader)
         except (OSError, ValueError):
             return False
         return True
@@ -433,9 +444,9 @@ class _Reader:
         if magic == MAGIC_SEG:
             ok = (
                 self.first
-                and lens == (4,)
-                and struct.unpack("<I", body)[0] == SEG_VERSION
-                and self._segment()
+                and lens == (SEG.size,)
+                and SEG.unpack(body)[0] == SEG_VERSION
+                and self._segment(SEG.unpack(body)[1])
             )
             self.first = False
             if not ok:

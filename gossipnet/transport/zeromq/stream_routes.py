@@ -51,6 +51,8 @@ class StreamRoutes:
         self._stats = stats
         self._now = now
         self.writers: dict[str, StreamWriter] = {}
+        #: the segment new connections share (``local_shm.py``)
+        self._shm: local_shm.ShmWriter | None = None
         self._skip: dict[str, float] = {}  # dst -> when to try its stream again
         #: called with a destination whose stream broke (its receiver closed, most
         #: often because it left): the backend closes the alias it held open beside it
@@ -85,14 +87,26 @@ class StreamRoutes:
         limit = self._config.send_queue_packets
         w = StreamWriter(sock, self._loop, self._stats, limit, self._broken)
         if self._config.local_shm and local_shm.available():
-            try:
-                shm = local_shm.ShmWriter()
-            except OSError:  # no memfd (old kernel, seccomp): payloads stay inline
-                shm = None
-            if shm is not None:
-                w.offer_shm(shm)
+            self._offer_shm(w)
         self.writers[dst] = w
         return w
+
+    def _offer_shm(self, w: StreamWriter) -> None:
+        """Give ``w`` a column of our segment (a new segment once one has none left)."""
+        shm = self._shm
+        reader = shm.attach() if shm is not None else None
+        if shm is None or reader is None:
+            try:
+                fresh = local_shm.ShmWriter()
+            except OSError:  # no memfd (old kernel, seccomp): payloads stay inline
+                return
+            if shm is not None and shm.attached <= 0:
+                shm.close()  # exhausted and unused: nobody can attach any more
+            shm = self._shm = fresh
+            reader = fresh.attach()
+            if reader is None:  # a fresh segment has every column
+                return
+        w.offer_shm(shm, reader)
 
     def _path(self, dst: str) -> str | None:
         try:
@@ -127,3 +141,6 @@ class StreamRoutes:
         for dst in list(self.writers):
             self.forget(dst)
         self._skip.clear()
+        if self._shm is not None:
+            self._shm.close()  # every writer detached above
+            self._shm = None
