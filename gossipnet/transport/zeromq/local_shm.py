@@ -23,21 +23,21 @@ touches is its peak number of payloads in flight, not the segment's size.
 Why shared: a packet sent to several same-host peers (an all-gather's
 broadcast) is copied into one slot once and named to each of them.
 
-Slot life.  The writer copies the payload into a slot whose row is all free
-(0), sets the receiving connection's state byte to the slot's generation
-(1-255, never 0) and sends the descriptor ``(slot, length, generation)``; the
-same frozen frame sent next to another connection takes the same slot (its
-byte is set too), not another copy.  The receiver checks the descriptor
-against the segment (slot in range, length within a slot, its own state byte
-equal to the generation, not taken already: anything else is counted in
-``dropped_malformed`` and the packet dropped) and delivers a view of the slot.  Its byte is cleared when
-the last view of that payload is gone: a ``weakref.finalize`` on the array
+Slot life. The writer copies the payload into a slot whose row is all free (0),
+sets the receiving connection's state byte to the slot's generation (1-255,
+never 0) and sends the descriptor ``(slot, length, generation)``; the same
+frozen frame sent next to another connection takes the same slot (its byte is
+set too), not another copy. The receiver checks the descriptor against the
+segment (slot in range, length within a slot, its own state byte equal to the
+generation, not taken already: anything else is counted in ``dropped_malformed``
+and the packet dropped) and delivers a view of the slot. Its byte is cleared
+when the last view of that payload is gone: a ``weakref.finalize`` on the array
 that owns the view, so a handler that keeps the payload (a buffered early
 packet, a parity group's frames) keeps the slot, and nothing the writer does
-later can change bytes a receiver still reads.  A slot is reused only once
-every byte of its row is clear.  A writer that finds no free slot sends that
-payload inline on the stream as before; a receiver that dies leaves its bytes
-set, so a connection's column is never handed to another.
+later can change bytes a receiver still reads. A slot is reused only once every
+byte of its row is clear. A writer that finds no free slot sends that payload
+inline on the stream as before; a receiver that dies leaves its bytes set, so a
+connection's column is never handed to another.
 
 Who can write a segment: this user's processes, as for the stream and the
 ZeroMQ alias (:class:`~gossipnet.transport.base.LocalFrames`, no payload MAC).
