@@ -6,8 +6,10 @@ reads it); a slot never freed (the segment fills for good) or freed while a
 handler still holds the payload; a full segment blocking or dropping instead
 of sending inline; forged or stale descriptors, a segment of the wrong size or
 a shared payload without a segment crashing the reader or delivering another
-packet's bytes instead of being counted drops; ``local_shm=False`` not sending
-inline.  Waits poll a condition with a deadline.
+packet's bytes instead of being counted drops; a receiver that cannot map
+segments breaking its sender's streams for ever; one frame to several readers
+copied more than once or freed while one still reads it; ``local_shm=False``
+not sending inline.  Waits poll a condition with a deadline.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from gossipnet.config import Config
 from gossipnet.transport.zeromq import local_ipc as _local_ipc
 from gossipnet.transport.zeromq import local_shm as _shm
 from gossipnet.transport.zeromq import local_stream as _ls
+from gossipnet.transport.zeromq import stream_routes as _routes
 from gossipnet.transport.zeromq.backend import ZmqTransport
 
 pytestmark = [
@@ -323,3 +326,41 @@ def test_a_segment_serves_readers_columns_once_and_closes_after_its_last() -> No
     w.detach()
     assert w.closed  # no one attached and no one can: unmapped
     assert w.put(b"x" * 100_000, 0) is None  # inline from then on
+
+
+def test_a_receiver_that_cannot_map_segments_gets_payloads_inline_after_two_tries(
+    wait_until: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each stream with a segment it cannot map is closed at once; after
+    ``SHM_BREAKS_MAX`` of them the sender's next stream carries payloads inline,
+    instead of breaking (and falling back to ZeroMQ for a second) for ever."""
+
+    def refuse(fd: int, reader: int) -> Any:
+        os.close(fd)
+        raise OSError("mmap refused (simulated address-space limit)")
+
+    monkeypatch.setattr(_ls, "ShmReader", refuse)  # only the receiving side maps
+    monkeypatch.setattr(_routes, "RETRY_S", 0.05)  # retry streams soon
+
+    async def main() -> None:
+        rx, tx, got = await _pair(keep=False)
+        payload = os.urandom(200_000)
+        assert tx._streams is not None
+        streams = tx._streams
+
+        def inline_stream_up() -> bool:
+            tx.send(rx.address, [b"h", payload])  # keeps the sender trying
+            w = streams.writers.get(rx.address)
+            return w is not None and not w.had_shm
+
+        await wait_until(inline_stream_up, WAIT_S, what="a stream without a segment")
+        assert streams._shm_breaks[rx.address] == _routes.SHM_BREAKS_MAX
+        before = len(got)
+        assert tx.send(rx.address, [b"inline", payload])
+        await wait_until(lambda: len(got) > before, WAIT_S, what="an inline packet")
+        assert [b"inline", payload] in got
+        assert rx.stats.dropped_malformed == _routes.SHM_BREAKS_MAX  # one per refused segment
+        await tx.close()
+        await rx.close()
+
+    asyncio.run(main())

@@ -146,6 +146,7 @@ class StreamWriter:
         #: and our receiver's column in it
         self.shm: ShmWriter | None = None
         self.shm_reader = -1
+        self.had_shm = False  # kept after close: whether this stream shared memory
         # The receiver never writes back: readable means it closed (or broke the
         # protocol).  Why watch: a writer idle after its peer left would otherwise
         # hold its descriptor until the next send or ``forget``.
@@ -182,6 +183,7 @@ class StreamWriter:
             self._enqueue(record, (), sent)
             self._loop.add_writer(self.sock.fileno(), self._flush)
         self.shm, self.shm_reader = shm, reader
+        self.had_shm = True
         return True
 
     def send(self, frames: Sequence[Buffer], sizes: list[int]) -> bool:
@@ -373,7 +375,11 @@ class _Reader:
             return False
         try:
             self.shm = ShmReader(fd, reader)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as err:
+            _log.warning(
+                "same-host stream %s: a sender's shared-memory segment is unusable (%s);"
+                " closing its stream (it retries, then sends inline)", self.inbox.path, err,
+            )  # fmt: skip
             return False
         return True
 

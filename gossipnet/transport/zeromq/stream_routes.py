@@ -12,7 +12,9 @@ tried again after :data:`~.local_stream.RETRY_S`.  The ZeroMQ backend asks
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import socket
 from collections.abc import Callable
 
@@ -24,9 +26,16 @@ from gossipnet.transport.zeromq import local_shm
 from gossipnet.transport.zeromq.local_ipc import ALIASED_HOST, stream_path
 from gossipnet.transport.zeromq.local_stream import RETRY_S, SNDBUF_BYTES, StreamWriter
 
-__all__ = ("StreamRoutes",)
+__all__ = ("SHM_BREAKS_MAX", "StreamRoutes")
+
+_log = logging.getLogger(__name__)
 
 _NEVER = float("inf")
+#: Streams with a shared-memory segment that may break to one destination before its
+#: next streams carry every payload inline: a receiver that cannot map segments
+#: (an address-space limit, a seccomp filter) closes each such stream at once, and
+#: would otherwise cost a dropped queue and a second on ZeroMQ per attempt, forever.
+SHM_BREAKS_MAX = 2
 
 
 class StreamRoutes:
@@ -53,6 +62,8 @@ class StreamRoutes:
         self.writers: dict[str, StreamWriter] = {}
         #: the segment new connections share (``local_shm.py``)
         self._shm: local_shm.ShmWriter | None = None
+        #: streams with a segment that broke, per destination (:data:`SHM_BREAKS_MAX`)
+        self._shm_breaks: collections.Counter[str] = collections.Counter()
         self._skip: dict[str, float] = {}  # dst -> when to try its stream again
         #: called with a destination whose stream broke (its receiver closed, most
         #: often because it left): the backend closes the alias it held open beside it
@@ -86,7 +97,11 @@ class StreamRoutes:
         self._skip.pop(dst, None)
         limit = self._config.send_queue_packets
         w = StreamWriter(sock, self._loop, self._stats, limit, self._broken)
-        if self._config.local_shm and local_shm.available():
+        if (
+            self._config.local_shm
+            and local_shm.available()
+            and self._shm_breaks[dst] < SHM_BREAKS_MAX
+        ):
             self._offer_shm(w)
         self.writers[dst] = w
         return w
@@ -123,6 +138,14 @@ class StreamRoutes:
             if have is w:
                 del self.writers[dst]
                 self._skip[dst] = self._now() + RETRY_S
+                if w.had_shm:
+                    self._shm_breaks[dst] += 1
+                    if self._shm_breaks[dst] == SHM_BREAKS_MAX:
+                        _log.warning(
+                            "same-host stream to %s broke %d times with shared memory;"
+                            " its payloads now travel inline (slower, not lost)",
+                            dst, SHM_BREAKS_MAX,
+                        )  # fmt: skip
                 if self.on_broken is not None:
                     self.on_broken(dst)
 
@@ -132,6 +155,7 @@ class StreamRoutes:
     def forget(self, dst: str) -> None:
         """Close ``dst``'s stream (queued packets dropped, counted); a later send reopens."""
         self._skip.pop(dst, None)
+        self._shm_breaks.pop(dst, None)  # a later peer at that address starts afresh
         w = self.writers.pop(dst, None)
         if w is not None:
             self._stats.dropped_unreachable += w.queued_packets
