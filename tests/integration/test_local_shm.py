@@ -15,6 +15,7 @@ not sending inline.  Waits poll a condition with a deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import mmap
 import os
@@ -362,5 +363,43 @@ def test_a_receiver_that_cannot_map_segments_gets_payloads_inline_after_two_trie
         assert rx.stats.dropped_malformed == _routes.SHM_BREAKS_MAX  # one per refused segment
         await tx.close()
         await rx.close()
+
+    asyncio.run(main())
+
+
+def test_a_packet_dropped_by_a_full_queue_gives_its_slot_back(wait_until: Any) -> None:
+    """A receiver that stops reading: once the kernel buffer and the queue are full, a
+    payload that took a slot is dropped (counted); its slot is free again at once,
+    not held for a descriptor that never left."""
+
+    async def main() -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        path = _local_ipc.stream_path(port)
+        assert path is not None
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        listener.bind(path)
+        listener.listen(4)  # accepts (the kernel does), never reads
+        tx = ZmqTransport(Config(send_queue_packets=1))
+        await tx.start(lambda frames: None)
+        dst = f"tcp://127.0.0.1:{port}"
+        try:
+            big = os.urandom(_shm.SLOT_BYTES + 1)  # inline: fills the socket, then the queue
+            while tx.stats.dropped_queue_full == 0:
+                tx.send(dst, [b"h", big])
+            w = tx._streams.writers[dst]  # type: ignore[union-attr]
+            assert w.shm is not None
+            dropped = tx.stats.dropped_queue_full
+            assert not tx.send(dst, [b"h", os.urandom(100_000)])  # took a slot, then dropped
+            assert tx.stats.dropped_queue_full == dropped + 1
+            assert _free(w) == _shm.SLOTS  # given back
+        finally:
+            await tx.close()
+            listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     asyncio.run(main())

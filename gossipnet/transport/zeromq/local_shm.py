@@ -173,6 +173,14 @@ class ShmWriter:
             self._last, self._last_slot = None, -1
         return DESC.pack(slot, n, self._gen)
 
+    def unput(self, desc: bytes, reader: int) -> None:
+        """The packet ``desc`` names never left for ``reader`` (dropped by a full queue or
+        a failed send): give its slot back, as the receiver would have."""
+        slot, _, gen = DESC.unpack(desc)
+        state = slot * READERS + reader
+        if not self.closed and self._mm[state] == gen:
+            self._mm[state] = 0
+
     def close(self) -> None:
         """Unmap and close our descriptor; receivers' mappings stay valid."""
         if self.closed:

@@ -108,6 +108,7 @@ _READ_BUFFER = 256 * 1024
 _READS_PER_CALL = 16  # recv calls per readable callback: other loop work runs between
 _IOV_MAX = 512
 _NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)  # EPIPE, never SIGPIPE, from a dead reader
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)  # a received fd is close-on-exec at once
 
 Deliver = Callable[[list[list[memoryview]]], None]
 
@@ -194,7 +195,7 @@ class StreamWriter:
             return False
         payload_bytes = sum(sizes)
         magic = MAGIC
-        shm = self.shm
+        shm, desc = self.shm, None
         if shm is not None:
             big = max(range(len(sizes)), key=sizes.__getitem__)
             if sizes[big] >= SHM_MIN_BYTES and payload_bytes - sizes[big] <= _SHM_INLINE_MAX:
@@ -210,6 +211,8 @@ class StreamWriter:
                 self.queued_packets >= self._max_packets
                 or self.queued_bytes + total > MAX_QUEUED_BYTES
             ):
+                if shm is not None and desc is not None:  # never sent: its slot is free
+                    shm.unput(desc, self.shm_reader)
                 stats.dropped_queue_full += 1
                 return False
             self._enqueue(prefix, frames, 0)
@@ -219,6 +222,8 @@ class StreamWriter:
             except (BlockingIOError, InterruptedError):
                 sent = 0
             except OSError as err:
+                if shm is not None and desc is not None:
+                    shm.unput(desc, self.shm_reader)
                 stats.send_errors += 1
                 self._break(err)
                 return False
@@ -356,7 +361,11 @@ class _Reader:
 
     def _recv_fd(self, target: memoryview) -> int:
         """``recv_into`` that also takes an fd passed with the bytes (``SCM_RIGHTS``)."""
-        n, ancdata, _flags, _ = self.sock.recvmsg_into([target], socket.CMSG_SPACE(4 * 4))
+        n, ancdata, _flags, _ = self.sock.recvmsg_into(
+            [target],
+            socket.CMSG_SPACE(4 * 4),
+            _CLOEXEC,  # no fork inherits a stray fd
+        )
         for level, kind, data in ancdata:
             if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
                 continue
