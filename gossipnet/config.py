@@ -81,8 +81,8 @@ class Config:
             instead of the socket's two, so every round takes the stream.  Up to 128
             MiB per sending peer (32 slots of 4 MiB, pages only where written; a full
             segment sends inline).  A 25M float32 all-reduce across four local
-            processes: 0.83x gloo's time against 1.09x over ZeroMQ's alias in the same
-            run; 1M: 1.28x against 1.57x (``bench/allreduce.py``, docs/benchmarks.md
+            processes: 0.75x gloo's time against 1.08x without it; 1M: 1.01x against
+            1.30x (medians of three runs, ``bench/allreduce.py``, docs/benchmarks.md
             "Issue 21, session 21").
     Wire
         max_header_bytes: larger msgpack headers are dropped before parsing.

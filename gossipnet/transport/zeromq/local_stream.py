@@ -21,6 +21,12 @@ body above the packet limit, lengths that do not add up) or a stream cut
 mid-record is counted (``dropped_malformed``) and closes that connection: a
 byte stream cannot resynchronise; the sender reconnects on a later send.
 
+Large payloads skip the socket (``Config.local_shm``, ``local_shm.py``): the
+connection's first record (``MAGIC_SEG``) passes a shared-memory segment's fd,
+and a packet's largest frame of 64 KiB or more then travels in a slot of it,
+the record (``MAGIC_SHM``) carrying the packet's other frames and a
+descriptor.  The reader maps the segment and delivers views of the slots.
+
 Who may connect: the socket lives in the same private directory as the
 ZeroMQ alias (``local_ipc``: mode 0700, this user's), and each accepted
 connection's peer credentials are checked to be this user's; packets arrive
@@ -89,8 +95,10 @@ MAX_FRAMES = 16
 MAX_QUEUED_BYTES = 64 * 1024 * 1024
 #: After a failed connect or a broken connection, the ZeroMQ path is used this long.
 RETRY_S = 1.0
-#: Groups (a collective's rounds, ``Transport.send``'s ``group_bytes``) of packets up
-#: to this size take the stream; larger ones take ZeroMQ's alias where it is connected.
+#: Without a shared-memory segment (``local_shm.py``), groups (a collective's rounds,
+#: ``Transport.send``'s ``group_bytes``) of packets up to this size take the stream;
+#: larger ones take ZeroMQ's alias where it is connected.  With one, every group takes
+#: the stream: the slot's one copy replaces the kernel copies the alias offloads.
 #: Why: with 1 MiB packets (1M float32 over 4 peers) the stream's single wake-up per
 #: packet wins (1.19x gloo against the alias's ~1.27x), but at 4 MiB per packet the
 #: loop thread makes every kernel copy that ZeroMQ's I/O thread made beside the
