@@ -456,12 +456,13 @@ class ZmqTransport(Transport):
         """Queue one packet for ``dst`` without blocking; False = dropped and counted.
 
         Same-host destinations with a loop-served stream (``Config.local_stream``)
-        get it there, unless ``group_bytes`` is above
+        get it there, unless the stream has no shared-memory segment
+        (``Config.local_shm``), ``group_bytes`` is above
         :data:`~.local_stream.STREAM_GROUP_MAX_BYTES` and their ZeroMQ alias is
-        connected: then over the alias.  The choice depends on ``group_bytes`` and
-        on which channels are up, so one group's packets share a channel (the alias
-        answers within a millisecond of the first packet to ``dst``, long before a
-        collective's first round).
+        connected: then over the alias (dialed only for such streams).  The choice
+        depends on ``group_bytes`` and on which channels are up, so one group's
+        packets share a channel (the alias answers within a millisecond of the first
+        packet to ``dst``, long before a collective's first round).
 
         Drops: ``dropped_queue_full`` when ``dst``'s queue is at SNDHWM or its
         connection is not up (yet, or any more); ``dropped_oversize`` above
@@ -473,12 +474,13 @@ class ZmqTransport(Transport):
         if self._streams is not None:
             writer = self._streams.writer(dst)
             if writer is not None:
-                if dst not in routes.push:
-                    routes.ready_alias(dst)  # start connecting it for large groups
-                if group_bytes > STREAM_GROUP_MAX_BYTES and writer.shm is None:
-                    alias = routes.ready_alias(dst)
-                    if alias is not None:
-                        return self._push(alias, frames)
+                if writer.shm is None:  # with a segment every group takes the stream
+                    if dst not in routes.push:
+                        routes.ready_alias(dst)  # start connecting it for large groups
+                    if group_bytes > STREAM_GROUP_MAX_BYTES:
+                        alias = routes.ready_alias(dst)
+                        if alias is not None:
+                            return self._push(alias, frames)
                 return self._send_stream(writer, frames)
         sock = routes.push.get(dst)
         if sock is None:

@@ -154,8 +154,7 @@ class StreamWriter:
         #: the segment large payloads go through (``local_shm.py``), once offered,
         #: and our receiver's column in it
         self.shm: ShmWriter | None = None
-        self.shm_reader = -1
-        self.had_shm = False  # kept after close: whether this stream shared memory
+        self.shm_reader = -1  # kept after close (``had_shm``)
         # The receiver never writes back: readable means it closed (or broke the
         # protocol).  Why watch: a writer idle after its peer left would otherwise
         # hold its descriptor until the next send or ``forget``.
@@ -192,8 +191,12 @@ class StreamWriter:
             self._enqueue(record, (), sent)
             self._loop.add_writer(self.sock.fileno(), self._flush)
         self.shm, self.shm_reader = shm, reader
-        self.had_shm = True
         return True
+
+    @property
+    def had_shm(self) -> bool:
+        """Whether this stream shared memory (also after it closed)."""
+        return self.shm_reader >= 0
 
     def send(self, frames: Sequence[Buffer], sizes: list[int]) -> bool:
         """Write one packet, or queue what the kernel did not take; False = dropped, counted."""
@@ -204,7 +207,7 @@ class StreamWriter:
         payload_bytes = sum(sizes)
         magic = MAGIC
         shm, desc = self.shm, None
-        if shm is not None:
+        if shm is not None and payload_bytes >= SHM_MIN_BYTES:  # small packets: no search
             big = max(range(len(sizes)), key=sizes.__getitem__)
             if sizes[big] >= SHM_MIN_BYTES and payload_bytes - sizes[big] <= _SHM_INLINE_MAX:
                 desc = shm.put(frames[big], self.shm_reader)
@@ -465,12 +468,8 @@ class _Reader:
         """A segment's announcement or a packet whose payload is in it; False if the
         stream broke the protocol (the connection is closed, counted)."""
         if magic == MAGIC_SEG:
-            ok = (
-                self.first
-                and lens == (SEG.size,)
-                and SEG.unpack(body)[0] == SEG_VERSION
-                and self._segment(SEG.unpack(body)[1])
-            )
+            version, reader = SEG.unpack(body) if lens == (SEG.size,) else (0, 0)
+            ok = self.first and version == SEG_VERSION and self._segment(reader)
             self.first = False
             if not ok:
                 self.inbox.close_reader(self, "unusable shared-memory segment", partial=True)
