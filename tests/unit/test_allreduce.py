@@ -23,6 +23,7 @@ from gossipnet import CollectiveReport, Config, FakeClock, FaultPlan
 from gossipnet.clock import Clock
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 from gossipnet.collectives.lossy.engine import END_COPIES, LossyAllReduce, OwnedShard, RoundOptions
+from gossipnet.collectives.lossy.loss_watch import COLD_ROUNDS
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.runtime.node import Node
@@ -1029,7 +1030,7 @@ def test_contributions_after_the_reduce_scatter_closed_are_late(
 def test_no_end_markers_on_a_quiet_network_and_copies_once_loss_shows(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
 ) -> None:
-    """ENDs matter only to a receiver that lost data: a cold engine sends
+    """ENDs matter only to a receiver that lost data: a cold engine (its first round) sends
     ``END_COPIES`` of each, a quiet one (no loss for a few rounds, here or at any
     peer) none; loss seen at *another* peer (our outgoing link) brings the copies
     back through its heartbeat, and rounds with lost data and lost ENDs still end
@@ -1072,8 +1073,9 @@ def test_no_end_markers_on_a_quiet_network_and_copies_once_loss_shows(
                 slowest.append(max(r.elapsed_s for r in reports))
                 await drive(clock, clock.sleep(0.2))  # heartbeats carry each engine's flag
             both_phases = 2 * (N - 1)
-            assert per_round[:4] == [both_phases * END_COPIES] * 4  # cold
-            assert per_round[4:8] == [0] * 4  # quiet: every sender completes on its data
+            assert per_round[:COLD_ROUNDS] == [both_phases * END_COPIES] * COLD_ROUNDS  # cold
+            # quiet: every sender completes on its data
+            assert per_round[COLD_ROUNDS:8] == [0] * (8 - COLD_ROUNDS), per_round
             # loss starts at p1, which p0 does not see: none (+ re-announces while it waits)
             assert per_round[8] < both_phases * END_COPIES
             # p1's heartbeat told p0 (+ re-announces while p0 waits for the slowed p1)

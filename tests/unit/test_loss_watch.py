@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from gossipnet.collectives.lossy.loss_watch import END_COPIES, QUIET_ROUNDS, LossWatch
+from gossipnet.collectives.lossy.loss_watch import (
+    COLD_ROUNDS,
+    END_COPIES,
+    QUIET_ROUNDS,
+    LossWatch,
+)
 from gossipnet.reports import CollectiveReport
 
 
@@ -16,6 +21,27 @@ def test_quiet_rounds_stop_the_ends() -> None:
     for _ in range(QUIET_ROUNDS):
         w.note(_round())
     assert w.end_copies([], 1) == 0
+
+
+def test_a_cold_engine_is_lossy_for_its_first_round_only() -> None:
+    """No round yet is no evidence; one clean round is (a join is not a burst of loss)."""
+    w = LossWatch()
+    for _ in range(COLD_ROUNDS):
+        assert w.recent and w.parity_group([], 4, always=False) == 4
+        w.note(_round())
+    assert not w.recent
+    assert w.parity_group([], 4, always=False) == 0
+    assert w.end_copies([], 1) == 0
+
+
+def test_loss_in_the_first_rounds_keeps_the_extras_for_quiet_rounds() -> None:
+    w = LossWatch()
+    w.note(_round(arrived_behind=1.0))  # the cold round saw loss
+    for _ in range(QUIET_ROUNDS - 1):
+        w.note(_round())
+        assert w.recent
+    w.note(_round())
+    assert not w.recent
 
 
 def test_a_copy_that_stood_in_for_a_lost_packet_is_loss() -> None:
