@@ -142,6 +142,7 @@ class _Bench:
             stale = total = lost = sent = 0
             loop_cpu = caller_cpu = 0.0
             times = []
+            loop_reps = []
             cpu0 = time.process_time()
             for _ in range(reps):
                 t0 = time.perf_counter()
@@ -152,6 +153,7 @@ class _Bench:
                 lost += rep.packets_lost
                 sent += rep.packets_received + rep.packets_lost
                 loop_cpu += rep.extra.get("cpu_s", float("nan"))  # NaN: a gossipnet before #21
+                loop_reps.append(round(rep.extra.get("cpu_s", float("nan")), 4))
                 caller_cpu += rep.extra.get("cpu_caller_s", float("nan"))
             out[name] = {
                 "times": times,
@@ -159,6 +161,7 @@ class _Bench:
                 "stale_frac": stale / total if total else 0.0,
                 "delivered": 1.0 - lost / sent if sent else 1.0,
                 "loop_cpu_s": loop_cpu / reps,  # the reports' own figures
+                "loop_cpu_reps": loop_reps,  # per rep: where a transient shows
                 "caller_cpu_s": caller_cpu / reps,
             }
         return out

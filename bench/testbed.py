@@ -177,6 +177,9 @@ def _merge(name: str, per_rank: list[dict[str, Any]], timeout_s: float) -> dict[
         for k in ("stale_frac", "delivered", "loop_cpu_s", "caller_cpu_s"):
             if k in cells[0]:
                 out[k] = sum(c[k] for c in cells) / len(cells)
+        if "loop_cpu_reps" in cells[0]:  # per rep, the mean over ranks
+            reps = zip(*(c["loop_cpu_reps"] for c in cells), strict=True)
+            out["loop_cpu_reps"] = [round(statistics.fmean(r), 4) for r in reps]
         return out
     # the cut op counts at the timeout: mean over attempted ops >= elapsed / attempts
     bounds = [

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import gc
 import logging
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from gossipnet.config import Config
 from gossipnet.errors import ClosedError, ConfigError
+from gossipnet.runtime._gc import tune_gc
 from gossipnet.runtime._join_check import JoinSnapshot, join_error, shortfall_details
 from gossipnet.runtime._malloc import tune_malloc
 from gossipnet.runtime.flatbuffer import FlatCache
@@ -56,8 +56,7 @@ class Runtime:
         self.config: Config = node.config
         if self.config.tune_malloc:
             tune_malloc()
-        if self.config.gc_freeze:
-            gc.freeze()  # no full-collection pauses mid-round over what exists now (Config)
+        tune_gc(self.config.gc_threshold, self.config.gc_freeze)  # process-wide (Config)
         self.node = node
         self.loop_thread = LoopThread(
             f"gossipnet-{node.peer_id}", use_uvloop=self.config.use_uvloop

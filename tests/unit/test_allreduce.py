@@ -23,8 +23,8 @@ from gossipnet import CollectiveReport, Config, FakeClock, FaultPlan
 from gossipnet.clock import Clock
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 from gossipnet.collectives.lossy.engine import END_COPIES, LossyAllReduce, OwnedShard, RoundOptions
-from gossipnet.collectives.lossy.loss_watch import COLD_ROUNDS
 from gossipnet.collectives.lossy.kinds import LossyKind
+from gossipnet.collectives.lossy.loss_watch import COLD_ROUNDS
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.runtime.node import Node
 from gossipnet.testing import MemoryNetwork, MemoryTransport

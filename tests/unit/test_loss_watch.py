@@ -27,7 +27,8 @@ def test_a_cold_engine_is_lossy_for_its_first_round_only() -> None:
     """No round yet is no evidence; one clean round is (a join is not a burst of loss)."""
     w = LossWatch()
     for _ in range(COLD_ROUNDS):
-        assert w.recent and w.parity_group([], 4, always=False) == 4
+        assert w.recent
+        assert w.parity_group([], 4, always=False) == 4
         w.note(_round())
     assert not w.recent
     assert w.parity_group([], 4, always=False) == 0

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from gossipnet import Config
-from gossipnet.errors import ClosedError
+from gossipnet.errors import ClosedError, ConfigError
 from gossipnet.runtime.node import Node
 from gossipnet.runtime.runtime import Runtime
 from gossipnet.testing import MemoryNetwork
@@ -87,6 +87,35 @@ def test_close_is_idempotent_and_final(runtime: Runtime) -> None:
         runtime.call(coro)
     with pytest.raises(ClosedError):
         runtime.submit(asyncio.sleep(0))
+
+
+@pytest.mark.parametrize(
+    ("before", "setting", "after"),
+    [(700, 10_000, 10_000), (50_000, 10_000, 50_000), (700, None, 700), (0, 10_000, 0)],
+)
+def test_gc_threshold_at_join_is_raised_never_lowered(
+    before: int, setting: int | None, after: int
+) -> None:
+    """``Config.gc_threshold``: the young generation's threshold goes up to the
+    setting at start-up; a higher one (the user's) stays, None leaves it, and 0
+    (automatic collection off) stays off.  The older generations' are untouched."""
+    import gc
+
+    saved = gc.get_threshold()
+    gc.set_threshold(before, 7, 9)
+    try:
+        cfg = Config(**FAST, gc_threshold=setting, gc_freeze=False)
+        rt = Runtime(Node(config=cfg, listen="mem://gct", peer_id="gct", network=MemoryNetwork()))
+        rt.close()
+        assert gc.get_threshold() == (after, 7, 9)
+    finally:
+        gc.set_threshold(*saved)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 10_000_001, 1.5, True, "10000"])
+def test_gc_threshold_out_of_range_is_a_config_error(bad: object) -> None:
+    with pytest.raises(ConfigError, match="gc_threshold"):
+        Config(gc_threshold=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("freeze", [True, False])

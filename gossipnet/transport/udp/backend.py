@@ -79,6 +79,9 @@ _MAX_PACKET_BYTES = MAX_DATAGRAM_BYTES - 1 - 4 * _FRAMING_FRAMES
 _HEADERS = [struct.Struct(f">B{n}I") for n in range(_MAX_FRAMES + 1)]
 #: A coalesced (GRO) read holds at most one IP datagram's worth (64 KiB).
 _GRO_READ_BYTES = 65536
+#: as a plain int: ``socket.MSG_TRUNC`` is an IntFlag, whose ``&`` is a Python-level
+#: call (about a microsecond per read on the receive path)
+_MSG_TRUNC = int(socket.MSG_TRUNC)
 
 
 #: Linux's SO_SNDBUFFORCE/SO_RCVBUFFORCE (absent from the socket module): with
@@ -335,7 +338,7 @@ class UdpTransport(Transport):
                 stats.send_errors += 1
                 continue
             path.recv_calls += 1
-            if flags & socket.MSG_TRUNC:  # cannot happen below 64 KiB; never parse a cut read
+            if flags & _MSG_TRUNC:  # cannot happen below 64 KiB; never parse a cut read
                 stats.dropped_malformed += 1
                 continue
             segment = gro_segment_size(ancdata) if ancdata else 0
