@@ -202,11 +202,15 @@ class PacketIO:
         common: Mapping[str, Any],
         rows: Sequence[tuple[int, int, int]],
         payloads: Sequence[Buffer],
+        *,
+        chunk_key: str = "c",
     ) -> list[list[Buffer]]:
-        """:meth:`encode_for` of a run of data packets (``WireCodec.encode_run``):
-        the same packets, the locality test made once for the run."""
+        """:meth:`encode_for` of a run of data (or parity) packets
+        (``WireCodec.encode_run``): the same packets, the locality test made once."""
         local, dst = self._destination(peer_ids)
-        return self.codec.encode_run(kind, common, rows, payloads, local=local, dst=dst)
+        return self.codec.encode_run(
+            kind, common, rows, payloads, local=local, dst=dst, chunk_key=chunk_key
+        )
 
     def send_batch(
         self, peer_ids: Sequence[str], packets: Sequence[list[Buffer]], *, group_bytes: int = 0

@@ -68,7 +68,7 @@ __all__ = (
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2  # 2: parity packets in the fixed header (_data_header.HAS_G)
 MAC_BYTES = 16  # the tag; the MAC frame is ``WireCodec.mac_bytes`` long (36 for aes-gmac)
 #: Bytes of key fingerprint closing every MAC frame (see ``WireCodec.decode``).
 FINGERPRINT_BYTES = 8
@@ -274,10 +274,14 @@ class WireCodec:
         *,
         local: bool = False,
         dst: str | Sequence[str] | None = None,
+        chunk_key: str = "c",
     ) -> list[list[Buffer]]:
         """Frames of data packets that differ only in bucket, chunk, count and payload.
 
         ``rows[i]`` is packet ``i``'s ``(b, c, n)``; ``common`` its other fields.
+        ``chunk_key``: the field the middle value goes in: ``"c"`` (data), or ``"g"``
+        for parity packets, whose fixed header carries their group where a data
+        packet's carries its chunk.
         The same packets as :meth:`encode` called once per row (same checks, own
         sequence numbers and MACs), built per run: the first header is packed
         and checked as usual, the others are one ``struct`` call each after one
@@ -292,7 +296,7 @@ class WireCodec:
         if len(rows) != len(payloads):
             raise ValueError(f"{len(rows)} rows for {len(payloads)} payloads")
         b0, c0, n0 = rows[0]
-        first = self.encode(kind, {**common, "b": b0, "c": c0, "n": n0}, payloads[0],
+        first = self.encode(kind, {**common, "b": b0, chunk_key: c0, "n": n0}, payloads[0],
                             local=local, dst=dst)  # fmt: skip
         head = first[0]
         flat = [v for row in rows[1:] for v in row]
@@ -303,7 +307,9 @@ class WireCodec:
             or any(type(v) is not int for v in flat)
         ):
             return [first] + [
-                self.encode(kind, {**common, "b": b, "c": c, "n": n}, pl, local=local, dst=dst)
+                self.encode(
+                    kind, {**common, "b": b, chunk_key: c, "n": n}, pl, local=local, dst=dst
+                )
                 for (b, c, n), pl in zip(rows[1:], payloads[1:], strict=True)
             ]
         views = [_as_bytes_view(pl) if isinstance(pl, memoryview) else pl for pl in payloads[1:]]

@@ -48,7 +48,7 @@ def forge(
     src: str, kind: int, fields: dict[str, Any], *, epoch: int, seq: int, to: str | None
 ) -> list[memoryview]:
     """A validly signed packet with any header we like (AES-GMAC, the default MAC)."""
-    head: dict[str, Any] = {"v": 1, "run": "gossipnet", "src": src, "e": epoch, "q": seq}
+    head: dict[str, Any] = {"v": 2, "run": "gossipnet", "src": src, "e": epoch, "q": seq}
     head.update(k=int(kind), **fields)
     if to is not None:
         head["@"] = tag(to)
@@ -315,7 +315,7 @@ def test_decoder_fuzz_authenticated_headers_stay_in_range(
     """Any header a key holder can sign: decode never raises, and what it accepts
     has every codec-owned field typed and in range, is for us, and is not ours."""
     rx = WireCodec(SECRET, Config(), "rx", clock=FakeClock())
-    head: dict[str, Any] = {"v": 1, "run": "gossipnet", "src": src, "e": epoch, "q": seq}
+    head: dict[str, Any] = {"v": 2, "run": "gossipnet", "src": src, "e": epoch, "q": seq}
     head.update(k=kind, **extra)
     if isinstance(to, str):
         head["@"] = tag(to)

@@ -75,7 +75,7 @@ def fingerprint(secret: bytes = SECRET, run: str = "gossipnet") -> bytes:
 
 
 def header(**overrides: Any) -> bytes:
-    h: dict[str, Any] = {"v": 1, "run": "gossipnet", "src": "x", "e": 1, "q": 0, "k": 1}
+    h: dict[str, Any] = {"v": 2, "run": "gossipnet", "src": "x", "e": 1, "q": 0, "k": 1}
     h.update(overrides)
     return msgpack.packb({k: v for k, v in h.items() if v is not _DROP})
 
@@ -148,7 +148,7 @@ def test_mac_is_the_documented_construction(mac: str, size: int) -> None:
     assert tag == expected
     assert codec("b", cfg=Config(mac=mac, run="r1")).decode([head, payload, frame]) is not None
     assert msgpack.unpackb(head) == {
-        "v": 1,
+        "v": 2,
         "run": "r1",
         "src": "a",
         "e": 7,
@@ -259,7 +259,8 @@ REJECTS: list[tuple[str, Any, str]] = [
     ("ext type", lambda: sign(msgpack.packb({"x": msgpack.ExtType(1, b"ab")})), "header_parse"),
     ("deep nesting", lambda: sign(b"\x81\xa1x" + b"\x91" * 2000 + b"\x00"), "header_parse"),
     ("empty header", lambda: sign(b""), "header_parse"),
-    ("version 2", lambda: sign(header(v=2)), "version"),
+    ("version 3", lambda: sign(header(v=3)), "version"),
+    ("version 1", lambda: sign(header(v=1)), "version"),
     ("version true", lambda: sign(header(v=True)), "version"),
     ("no version", lambda: sign(header(v=_DROP)), "version"),
     ("run field mismatch", lambda: sign(header(run="other")), "run"),

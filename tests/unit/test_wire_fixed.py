@@ -29,7 +29,7 @@ DATA = {"r": 7, "m": 2, "L": 0xDEADBEEF, "b": 1, "c": 5, "dt": "f32", "n": 4, "w
 def spec_header(**kw: Any) -> bytes:
     """A fixed header from the documented layout; ``kw`` overrides its fields."""
     f: dict[str, Any] = {
-        "magic": 0xC1, "version": 1, "kind": int(LossyKind.RS_DATA), "mode": 2, "dt": 0,
+        "magic": 0xC1, "version": 2, "kind": int(LossyKind.RS_DATA), "mode": 2, "dt": 0,
         "x": 0, "flags": 1, "src": b"x", "tags": b"", "run": RUN_TAG, "epoch": 1, "seq": 0,
         "r": 7, "L": 9, "b": 0, "c": 3, "n": 2, "w": 1.0, "src_len": None, "ndst": None,
     }  # fmt: skip
@@ -73,6 +73,61 @@ def test_data_fields_travel_in_the_fixed_header(mac: str) -> None:
     assert not rx.rejects
 
 
+PARITY = {"r": 7, "m": 2, "L": 0xDEADBEEF, "b": 1, "g": 3, "gs": 4, "n": 16, "w": 0.5}
+
+
+def test_parity_fields_travel_in_the_fixed_header() -> None:
+    """A parity packet's fields (``g``, ``gs``; no chunk, dtype or ``x``) come out
+    as sent, over the full path and the fast one (a drain after the first)."""
+    tx, rx = codec("a"), codec("b")
+    payload = bytes(range(16))
+    no_w = {k: v for k, v in PARITY.items() if k != "w"}
+    sent = [
+        tx.encode(LossyKind.RS_DATA, PARITY, payload, dst="b"),
+        tx.encode(LossyKind.AG_DATA, no_w, payload, dst=["c", "b"]),
+        tx.encode(LossyKind.RS_DATA, {**PARITY, "g": 0xFFFF_FFFF, "gs": 255}, payload, dst="b"),
+    ]
+    for frames in sent:
+        head = bytes(frames[0])
+        assert head[0] == fixed.MAGIC
+        assert LAYOUT.unpack_from(head)[6] & fixed.HAS_G
+    got = rx.decode_batch([[memoryview(f) for f in fr] for fr in sent])
+    assert [p.fields if p else None for p in got] == [
+        PARITY,
+        no_w,
+        {**PARITY, "g": 0xFFFF_FFFF, "gs": 255},
+    ]
+    assert all(p is not None and bytes(p.payload) == payload for p in got)
+    assert rx._fast.fast == 1  # the third (the first two have other destination tags)
+    assert not rx.rejects
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {**PARITY, "gs": 256},  # wider than x
+        {**PARITY, "g": -1},
+        {**PARITY, "c": 1},  # a data field too: neither layout
+        {k: v for k, v in PARITY.items() if k != "gs"},
+    ],
+)
+def test_parity_fields_that_do_not_fit_go_in_msgpack(fields: dict[str, Any]) -> None:
+    frames = codec("a").encode(LossyKind.RS_DATA, fields, b"x" * 16, dst="b")
+    assert bytes(frames[0])[0] != fixed.MAGIC
+    pkt = codec("b").decode(frames)
+    assert pkt is not None
+    assert pkt.fields == fields
+
+
+def test_a_spec_parity_header_is_accepted() -> None:
+    """Built from the documented layout: flags bit 4, ``chunk`` = g, ``x`` = gs, u8."""
+    rx = codec("b")
+    head = spec_header(flags=fixed.HAS_G, c=5, x=7, dt=fixed.DTYPE_ORDER.index("u8"), n=8)
+    pkt = rx.decode(sign(head, b"x" * 8))
+    assert pkt is not None
+    assert pkt.fields == {"r": 7, "m": 2, "L": 9, "b": 0, "g": 5, "gs": 7, "n": 8}
+
+
 @pytest.mark.parametrize(
     "fields",
     [
@@ -110,7 +165,8 @@ def _own_tag() -> bytes:
 
 FIXED_REJECTS: list[tuple[str, Any, str]] = [
     ("short", lambda: sign(spec_header()[:40], b"x" * 8), "header_parse"),
-    ("version 2", lambda: sign(spec_header(version=2), b"x" * 8), "version"),
+    ("version 3", lambda: sign(spec_header(version=3), b"x" * 8), "version"),
+    ("version 1", lambda: sign(spec_header(version=1), b"x" * 8), "version"),
     ("other run", lambda: sign(spec_header(run=RUN_TAG ^ 1), b"x" * 8), "run"),
     ("src length", lambda: sign(spec_header(src_len=3), b"x" * 8), "header_parse"),
     ("tag count", lambda: sign(spec_header(ndst=2), b"x" * 8), "header_parse"),
@@ -193,6 +249,27 @@ def test_encode_run_gives_the_packets_encode_gives(local: bool) -> None:
         assert bytes(pkt.payload) == bytes(pl)
     assert rx.decode(run[1], local=local) is None  # a replay of the second: dropped
     assert rx.rejects["replay"] == 1
+
+
+@pytest.mark.parametrize("gs", [4, 300])  # 300: wider than x, every packet in msgpack
+def test_encode_run_of_parity_packets(gs: int) -> None:
+    """``chunk_key="g"``: a stream's parity packets as one run, the same packets
+    ``encode`` makes one by one (fixed header where ``gs`` fits, msgpack where not)."""
+    tx, ref, rx = codec("a"), codec("a"), codec("b")
+    ref.epoch = tx.epoch
+    common = {"r": 7, "m": 2, "L": 9, "w": 0.5, "gs": gs}
+    rows = [(1, 0, 8), (1, 1, 8), (1, 2, 4)]
+    payloads = [b"a" * 8, b"b" * 8, b"c" * 4]
+    run = tx.encode_run(LossyKind.RS_DATA, common, rows, payloads, dst="b", chunk_key="g")
+    for (b, g, n), pl, frames in zip(rows, payloads, run, strict=True):
+        want = ref.encode(LossyKind.RS_DATA, {**common, "b": b, "g": g, "n": n}, pl, dst="b")
+        if gs < 256:  # (a msgpack header holds the epoch its codec started with)
+            assert bytes(frames[0]) == bytes(want[0])
+        assert (bytes(frames[0])[0] == fixed.MAGIC) is (gs < 256)
+        pkt = rx.decode(frames)
+        assert pkt is not None
+        assert pkt.fields == {**common, "b": b, "g": g, "n": n}
+        assert bytes(pkt.payload) == pl
 
 
 def test_encode_run_checks_the_run_once_and_falls_back_to_msgpack() -> None:

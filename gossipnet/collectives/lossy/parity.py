@@ -171,11 +171,13 @@ def send_parity(
         rnd.parity, f"parity:{dests[0] if len(dests) == 1 else '*'}", b,
         parity_bytes(raw.nbytes, width, k), torch.uint8,
     ).numpy()  # fmt: skip
-    sent = 0
-    for g, parity in enumerate(parities(raw, width, k, scratch)):
-        head = {**fields, "b": b, "g": g, "gs": k, "n": parity.nbytes}
-        frames = node.encode_for(dests, kind, head, parity)
-        sent += node.send_frames(dests, frames, group_bytes=rnd.group_bytes)
+    groups = parities(raw, width, k, scratch)
+    # one run: the first header packed and checked, the rest one struct call each
+    packets = node.encode_run(
+        dests, kind, {**fields, "gs": k}, [(b, g, p.nbytes) for g, p in enumerate(groups)],
+        groups, chunk_key="g",
+    )  # fmt: skip
+    sent = node.send_batch(dests, packets, group_bytes=rnd.group_bytes)
     rnd.parity_sent += sent
     return sent
 
