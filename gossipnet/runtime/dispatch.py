@@ -185,15 +185,17 @@ class PacketIO:
         """
         if self.transport is None or self.closed:
             return 0
-        send, sent = self.transport.send, 0
-        for peer_id in peer_ids:
-            address = self.membership.address_of(peer_id) if self.membership else None
-            if address is not None:
-                if group_bytes:
-                    sent += send(address, frames, group_bytes=group_bytes)
-                else:
-                    sent += send(address, frames)
-        return sent
+        members = self.membership
+        if members is None:
+            return 0
+        addresses = [a for p in peer_ids if (a := members.address_of(p)) is not None]
+        if len(addresses) == 1:
+            if group_bytes:
+                return self.transport.send(addresses[0], frames, group_bytes=group_bytes)
+            return self.transport.send(addresses[0], frames)
+        if group_bytes:
+            return self.transport.send_each(addresses, frames, group_bytes=group_bytes)
+        return self.transport.send_each(addresses, frames)
 
     def encode_run(
         self,
@@ -273,8 +275,10 @@ class PacketIO:
             return
         run: list[Packet] = []
         run_handler: BatchCallback | None = None
+        now = self.clock.now()
+        alive: set[tuple[str, int]] = set()  # whose liveness this drain refreshed
         for pkt in pkts:
-            if pkt is None or not self._admit(pkt):
+            if pkt is None or not self._admit(pkt, now, alive):
                 continue
             handler = self.batch_subscribers.get(pkt.kind)
             if run and handler is not run_handler:
@@ -282,19 +286,32 @@ class PacketIO:
                 run = []
             if handler is None:
                 self._call(pkt)
+                alive.clear()  # a control packet may have changed the membership
             else:
                 run_handler = handler
                 run.append(pkt)
         if run:
             self._call_batch(run_handler, run)  # type: ignore[arg-type]
 
-    def _admit(self, pkt: Packet) -> bool:
-        """Refresh liveness on a fresh directed packet; False if a request filter drops it."""
+    def _admit(
+        self, pkt: Packet, now: float | None = None, alive: set[tuple[str, int]] | None = None
+    ) -> bool:
+        """Refresh liveness on a fresh directed packet; False if a request filter drops it.
+
+        ``now``/``alive``: a drain's time and the (sender, epoch) pairs it already
+        refreshed, so a drain of a sender's data packets refreshes it once (the
+        same call each time: no address, the same time) instead of per packet.
+        """
         if pkt.fresh and pkt.directed:  # evidence of life now, not a late or stray copy
             addr = pkt.fields.get("addr")
-            self.membership.heard_from(  # type: ignore[union-attr]
-                pkt.src, pkt.epoch, addr if isinstance(addr, str) else None, self.clock.now()
-            )
+            address = addr if isinstance(addr, str) else None
+            key = (pkt.src, pkt.epoch)
+            if address is not None or alive is None or key not in alive:
+                self.membership.heard_from(  # type: ignore[union-attr]
+                    pkt.src, pkt.epoch, address, self.clock.now() if now is None else now
+                )
+                if alive is not None and address is None:
+                    alive.add(key)
         rid = pkt.fields.get("rq")
         return rid is None or pkt.kind == NodeKind.ACK or self.accept_request(pkt, rid)
 

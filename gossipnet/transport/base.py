@@ -156,6 +156,19 @@ class Transport(abc.ABC):
             return sum(send(dst, frames, group_bytes=group_bytes) for frames in packets)
         return sum(send(dst, frames) for frames in packets)
 
+    def send_each(
+        self, dsts: Sequence[str], frames: Sequence[Buffer], *, group_bytes: int = 0
+    ) -> int:
+        """:meth:`send` one packet to each of ``dsts`` (a broadcast: the same frames,
+        one sequence number); how many were handed to the backend.  A backend that
+        frames a packet before sending (the UDP backend joins it into one datagram)
+        overrides this to do that once.  ``group_bytes`` as for :meth:`send`.
+        """
+        send = self.send
+        if group_bytes:
+            return sum(send(dst, frames, group_bytes=group_bytes) for dst in dsts)
+        return sum(send(dst, frames) for dst in dsts)
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Stop delivery, close sockets with zero linger; idempotent."""

@@ -138,3 +138,46 @@ def test_runs_keep_arrival_order_across_handlers(run_async: Any, fast_config: Co
             assert calls == [("B", [9])]
 
     run_async(main())
+
+
+def test_a_drain_refreshes_each_senders_liveness_once(run_async: Any, fast_config: Config) -> None:
+    """Per drain, a sender's data packets refresh its liveness once (same time, no
+    address); a packet with an address, or one after a control packet (which may
+    change the membership), refreshes it again; per-packet delivery still does
+    each time."""
+    from gossipnet.testing import MemoryNetwork
+
+    async def main() -> list[tuple[str, str | None]]:
+        async with cluster(2, config=fast_config, network=MemoryNetwork()) as nodes:
+            rx, tx = nodes[0], nodes[1]
+            rx.subscribe(901, lambda p: None)
+            rx.subscribe_batch(902, lambda ps: None)
+            members: Any = rx.io.membership
+            heard: list[tuple[str, str | None]] = []
+            real = members.heard_from
+
+            def spy(peer: str, epoch: int, address: str | None, now: float) -> None:
+                heard.append((peer, address))
+                real(peer, epoch, address, now)
+
+            members.heard_from = spy
+
+            def frames(kind: int, fields: dict[str, Any]) -> list[memoryview]:
+                return [memoryview(bytes(f)) for f in tx.encode_for(["p0"], kind, fields)]
+
+            rx.io.on_batch([frames(902, {"i": i}) for i in range(5)])
+            assert heard == [("p1", None)]
+            heard.clear()
+            addr = {"i": 0, "addr": "mem://p1"}
+            rx.io.on_batch(
+                [frames(902, {"i": 1}), frames(902, addr), frames(901, {"i": 2}),
+                 frames(902, {"i": 3}), frames(902, {"i": 4})]
+            )  # fmt: skip
+            # i=1; the address; (the control packet: refreshed already); i=3 after it
+            assert heard == [("p1", None), ("p1", "mem://p1"), ("p1", None)]
+            heard.clear()
+            for i in range(3):
+                rx.io.on_frames(frames(902, {"i": i}))
+            return heard
+
+    assert run_async(main()) == [("p1", None)] * 3

@@ -291,3 +291,60 @@ def test_send_batch_delivers_each_packet_and_counts_the_oversized(run_async: Any
     assert got == [bytes([i]) * 8000 for i in range(5)]
     assert unreachable == 0
     assert stats.dropped_unreachable == 2
+
+
+def test_parse_datagram_reads_three_frames_inline_and_refuses_broken_lengths() -> None:
+    """The usual wire packet (header, payload, MAC) takes a branch of its own: the
+    same views as the general path, and broken lengths are still None."""
+    from gossipnet.transport.udp.backend import parse_datagram
+
+    frames = [b"head", b"p" * 100, b"m" * 36]
+    data = struct.pack(">B3I", 3, 4, 100, 36) + b"".join(frames)
+    got = parse_datagram(data)
+    assert got is not None
+    assert [bytes(f) for f in got] == frames
+    assert parse_datagram(struct.pack(">B3I", 3, 0, 0, 0)) is not None  # three empty frames
+    assert [bytes(f) for f in parse_datagram(struct.pack(">B3I", 3, 0, 0, 0)) or []] == [b""] * 3
+    for bad in (data[:-1], data + b"x", struct.pack(">B3I", 3, 1, 0, 0), data[:12]):
+        assert parse_datagram(bad) is None
+
+
+def test_send_each_joins_a_broadcast_once_and_counts_every_send(run_async: Any) -> None:
+    """``UdpTransport.send_each``: one packet to three receivers arrives at each,
+    counted once per send; an oversized one is dropped (counted) for each; an
+    address that is not UDP takes the per-send path and its own drop."""
+
+    async def main() -> tuple[list[list[bytes]], int, int, Any]:
+        got: list[list[bytes]] = [[], [], []]
+        done = asyncio.Event()
+        rxs = [UdpTransport(Config()) for _ in range(3)]
+
+        def on_packet(i: int) -> Any:
+            def handler(frames: list[memoryview]) -> None:
+                got[i].append(b"".join(bytes(f) for f in frames))
+                if all(got):
+                    done.set()
+
+            return handler
+
+        dsts = [await rx.start(on_packet(i)) for i, rx in enumerate(rxs)]
+        tx = UdpTransport(Config())
+        await tx.start(lambda frames: None)
+        frames = [b"head", b"x" * 8000, b"m" * 36]
+        accepted = tx.send_each(dsts, frames)
+        await asyncio.wait_for(done.wait(), 10.0)
+        oversized = tx.send_each(dsts, [b"big", b"\x00" * 70_000, b"m"])
+        mixed = tx.send_each([dsts[0], "tcp://127.0.0.1:1"], frames)
+        stats = tx.stats
+        await tx.close()
+        for rx in rxs:
+            await rx.close()
+        return got, accepted, oversized + 10 * mixed, stats
+
+    got, accepted, other, stats = run_async(main())
+    assert accepted == 3
+    assert got == [[b"head" + b"x" * 8000 + b"m" * 36]] * 3
+    assert other == 10  # nothing oversized left; of the mixed pair, the UDP one
+    assert stats.sent_packets == 4
+    assert stats.dropped_oversize == 3
+    assert stats.dropped_unreachable == 1

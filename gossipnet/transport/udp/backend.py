@@ -77,6 +77,7 @@ _FRAMING_FRAMES = 4
 _DRAIN_BATCH = 256
 _MAX_PACKET_BYTES = MAX_DATAGRAM_BYTES - 1 - 4 * _FRAMING_FRAMES
 _HEADERS = [struct.Struct(f">B{n}I") for n in range(_MAX_FRAMES + 1)]
+_HEADER3 = _HEADERS[3]
 #: A coalesced (GRO) read holds at most one IP datagram's worth (64 KiB).
 _GRO_READ_BYTES = 65536
 #: as a plain int: ``socket.MSG_TRUNC`` is an IntFlag, whose ``&`` is a Python-level
@@ -116,6 +117,12 @@ def parse_datagram(data: bytes | memoryview) -> list[memoryview] | None:
     if size == 0:
         return None
     count = data[0]
+    if count == 3 and size >= 13:  # every wire packet: header, payload, MAC (inline)
+        _, a, b, c = _HEADER3.unpack_from(data)
+        if 13 + a + b + c != size:
+            return None
+        view, a, b = memoryview(data), 13 + a, 13 + a + b
+        return [view[13:a], view[a:b], view[b:]]
     start = 1 + 4 * count
     if count == 0 or size < start:
         return None
@@ -430,6 +437,23 @@ class UdpTransport(Transport):
             stats.dropped_queue_full += 1
             return False
         return True
+
+    def send_each(
+        self, dsts: Sequence[str], frames: Sequence[Buffer], *, group_bytes: int = 0
+    ) -> int:
+        """:meth:`send` of one packet to each of ``dsts`` (an all-gather's or a
+        parity's broadcast), its datagram joined once; same drops, counted per send."""
+        batch = self._batch
+        if batch is None or self._sock is None or len(dsts) < 2:
+            return super().send_each(dsts, frames)
+        addrs = [self._addrs.get(dst) for dst in dsts]
+        if None in addrs:  # a name still to resolve: each its own send (and drop)
+            return super().send_each(dsts, frames)
+        framed = self._datagram(frames)
+        if framed is None:  # counted for the first send; each other one counts its own
+            return super().send_each(dsts[1:], frames)
+        data, nbytes = framed
+        return sum(batch.submit(addr, data, nbytes) for addr in addrs)
 
     def send_batch(
         self, dst: str, packets: Sequence[Sequence[Buffer]], *, group_bytes: int = 0
