@@ -177,7 +177,10 @@ def send_parity(
         dests, kind, {**fields, "gs": k}, [(b, g, p.nbytes) for g, p in enumerate(groups)],
         groups, chunk_key="g",
     )  # fmt: skip
-    sent = node.send_batch(dests, packets, group_bytes=rnd.group_bytes)
+    if len(dests) == 1:
+        sent = node.send_batch(dests, packets, group_bytes=rnd.group_bytes)
+    else:  # a broadcast (all-gather): each packet to every destination, framed once
+        sent = sum(node.send_frames(dests, p, group_bytes=rnd.group_bytes) for p in packets)
     rnd.parity_sent += sent
     return sent
 
