@@ -58,6 +58,26 @@ def write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def _loop_profiler(peer: Any, path: str) -> Any:
+    """cProfile ``peer``'s event-loop thread (its own CPU time) until the returned
+    callable stops it and writes ``path``: where a row's per-packet CPU goes."""
+    import cProfile
+    import threading
+
+    prof = cProfile.Profile(time.thread_time)
+    loop = peer.runtime.loop_thread.loop
+    started, stopped = threading.Event(), threading.Event()
+    loop.call_soon_threadsafe(lambda: (prof.enable(), started.set()))
+    started.wait(5.0)
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(lambda: (prof.disable(), stopped.set()))
+        stopped.wait(5.0)
+        prof.dump_stats(path)
+
+    return stop
+
+
 class _Bench:
     """Model, data and both backends of one rank."""
 
@@ -135,10 +155,15 @@ class _Bench:
     def gn_allreduce(self) -> Any:
         return self.peer.all_reduce([self.flat], timeout=self.plan["gn_timeout_s"])
 
-    def gossipnet(self, reps: int) -> dict[str, Any]:
+    def gossipnet(self, reps: int, phase: int = 0) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        profile_dir = self.plan.get("profile_dir")
         for name, op in (("step", self.gn_step), ("allreduce", self.gn_allreduce)):
             op()  # warm-up: phase deadlines re-learn the new conditions
+            stop = None
+            if profile_dir:
+                where = f"{profile_dir}/{name}-{self.rank}-{phase}.prof"
+                stop = _loop_profiler(self.peer, where)
             stale = total = lost = sent = 0
             loop_cpu = caller_cpu = 0.0
             times = []
@@ -155,6 +180,8 @@ class _Bench:
                 loop_cpu += rep.extra.get("cpu_s", float("nan"))  # NaN: a gossipnet before #21
                 loop_reps.append(round(rep.extra.get("cpu_s", float("nan")), 4))
                 caller_cpu += rep.extra.get("cpu_caller_s", float("nan"))
+            if stop is not None:
+                stop()
             out[name] = {
                 "times": times,
                 "cpu_s": (time.process_time() - cpu0) / reps,
@@ -233,7 +260,7 @@ def bench_worker(rank: int, plan: dict[str, Any], ctrl_dir: str) -> dict[str, An
         phase = json.loads(found.read_text())
         result: dict[str, Any] = {"rank": rank, "k": k}
         bench.set_pace(phase.get("gn_pace_mbps"))
-        result["gossipnet"] = bench.gossipnet(phase["gn_reps"])
+        result["gossipnet"] = bench.gossipnet(phase["gn_reps"], k)
         result["gloo"] = bench.gloo(phase["gloo_reps"], phase["new_gloo_group"], k == 0)
         write_json(ctrl / f"result-{k}-{rank}.json", result)
         k += 1

@@ -51,6 +51,11 @@ cells also give its reports' ``extra["cpu_s"]`` and ``["cpu_caller_s"]`` as
 and every row's JSON give gossipnet's CPU per step and per all-reduce as a
 ratio to gloo's (``cpu_vs_gloo_step``, ``cpu_vs_gloo_allreduce``).  Why it
 matters: real training shares the CPU with data loading and the framework.
+``loop_cpu_reps`` lists the loop CPU of each timed rep (mean over hosts), where
+a transient shows: it found the optimizer's first rounds paying for parity at
+0% loss.  ``--profile-dir DIR`` cProfiles each host's event-loop thread (its
+own CPU time, so not the other hosts' turns) over every row's timed reps, one
+pstats file per op, host and row: ``DIR/<op>-<rank>-<row>.prof``.
 
 Busy rows (``--busy N``, default 1; 0 turns them off): the uncapped rows at
 ``--busy-losses`` (quick: 5%; full: 0 and 5%) run again with N pure-Python
@@ -130,6 +135,12 @@ def _args() -> Any:
     p.add_argument("--gloo-timeout-s", type=float, default=None, help="bound of one gloo op")
     p.add_argument("--probe-packets", type=int, default=None, help="loss check per rate")
     p.add_argument("--plot", default="runs/testbed.png")
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="cProfile each host's gossipnet loop thread (thread CPU time) over the timed "
+        "reps; writes <op>-<rank>-<phase>.prof there (pstats)",
+    )
     a = p.parse_args()
     q = a.quick
     a.reps = a.reps or (3 if q else 7)
@@ -388,7 +399,10 @@ def main() -> int:
             "gloo_timeout_s": a.gloo_timeout_s,
             "gn_timeout_s": 10.0,
             "idle_timeout_s": 600.0,
+            "profile_dir": str(Path(a.profile_dir).resolve()) if a.profile_dir else None,
         }
+        if a.profile_dir:
+            Path(a.profile_dir).mkdir(parents=True, exist_ok=True)
         env = {"GLOO_SOCKET_IFNAME": "eth0"}
         tasks = [
             h.start(bench_worker, i, plan, str(ctrl), env=env, label=f"bench-{h.name}")
