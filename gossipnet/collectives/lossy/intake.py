@@ -32,6 +32,9 @@ __all__ = ("MAX_BUFFERED_PACKETS", "Intake")
 
 #: Packets of rounds we have not started yet, kept at most (then ``buffer_full``).
 MAX_BUFFERED_PACKETS = 200_000
+#: Added to a data kind in :meth:`Intake._fast_kind`: a parity packet of that phase
+#: (packet kinds are 16-bit, so no kind carries this bit).
+_PARITY_RUN = 1 << 16
 
 
 class Intake:
@@ -108,6 +111,17 @@ class Intake:
             self._flush(rnd, rs, run)
 
     def _flush(self, rnd: Round, kind: int, run: list[Packet]) -> None:
+        if kind & _PARITY_RUN:  # parity: each rebuilds at most one chunk, one at a time
+            ctx = self._ctx
+            if kind ^ _PARITY_RUN == self.k.ag_data:
+                now = self.node.clock.now()
+                for pkt in run:  # its reduce-scatter is sent (as _on_packet notes)
+                    rnd.rs.passed(pkt.src, now)
+                    on_ag(ctx, rnd, pkt)
+            else:
+                for pkt in run:
+                    on_rs(ctx, rnd, pkt)
+            return
         if kind == self.k.ag_data:
             now = self.node.clock.now()
             for pkt in run:  # its reduce-scatter is sent (as _on_packet notes)
@@ -120,8 +134,9 @@ class Intake:
 
     def _fast_kind(self, rnd: Round, pkt: Packet) -> int:
         """``pkt``'s kind if it is a data chunk of our round that :meth:`_on_packet`
-        would hand straight to :func:`.scatter.on_rs` or :func:`.gather.on_ag`
-        (no parity); else -1."""
+        would hand straight to :func:`.scatter.on_rs` or :func:`.gather.on_ag`; that
+        kind plus ``_PARITY_RUN`` for such a parity packet (``"g"``: the same checks,
+        then one call each instead of :meth:`_on_packet`'s chain); else -1."""
         f, kind = pkt.fields, pkt.kind
         if kind == self.k.rs_data:
             if rnd.rs_closed:
@@ -136,13 +151,12 @@ class Intake:
             and m == rnd.mode
             and f.get("L") == rnd.layout
             and pkt.src in rnd.members
-            and "g" not in f
             and "z" not in f  # compressed: decoded one by one (.scatter, .gather)
         ):
             return -1
         if r > self.max_seen:
             self.max_seen = r
-        return kind
+        return kind | _PARITY_RUN if "g" in f else kind
 
     def _on_packet(self, pkt: Packet) -> None:
         r, mode = pkt.fields.get("r"), pkt.fields.get("m", 0)
