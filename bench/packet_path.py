@@ -14,6 +14,10 @@ microseconds of CPU per data packet, apart from sockets and the kernel:
   packet per call).  ``drain_us_per_packet``: the same with each node's arrivals
   handed over in drains of up to ``--drain`` packets (``PacketIO.on_batch``), as
   the socket backends' drains do, where the node offers it.
+- ``parity_us_per_packet`` (``--parity K``): the drained rounds again with one XOR
+  parity packet per K data packets of a stream, sent although nothing is lost
+  (``parity_always``): their extra CPU per parity packet, against
+  ``drain_us_per_packet`` for a data packet.
 
     .venv/bin/python bench/packet_path.py --quick    # < 30 s
 
@@ -89,9 +93,14 @@ def _drains(node: Any, drain: int) -> None:
     node.transport._handler = handler
 
 
-async def _rounds(elems: int, chunk_bytes: int, reps: int, drain: int = 0) -> dict[str, float]:
-    """CPU per data packet of whole rounds, 4 in-process nodes."""
-    cfg = Config(run="bench", chunk_bytes=chunk_bytes, parity_group=0)
+async def _rounds(
+    elems: int, chunk_bytes: int, reps: int, drain: int = 0, parity: int = 0
+) -> dict[str, float]:
+    """CPU per data packet of whole rounds, 4 in-process nodes (``parity``: a parity
+    packet per that many data packets of a stream, sent on a clean network too)."""
+    cfg = Config(
+        run="bench", chunk_bytes=chunk_bytes, parity_group=parity, parity_always=bool(parity)
+    )
     async with cluster(4, config=cfg) as nodes:
         if drain:
             for node in nodes:
@@ -100,13 +109,14 @@ async def _rounds(elems: int, chunk_bytes: int, reps: int, drain: int = 0) -> di
         bufs = [torch.randn(elems, generator=torch.Generator().manual_seed(i)) for i in range(4)]
         for _ in range(2):  # warm-up: pools, spans
             await asyncio.gather(*(e.run([b]) for e, b in zip(engines, bufs, strict=True)))
-        sent = 0
+        sent = parity_sent = 0
         t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(reps):
             reports = await asyncio.gather(
                 *(e.run([b]) for e, b in zip(engines, bufs, strict=True))
             )
             sent += sum(r.packets_sent for r in reports)
+            parity_sent += int(sum(r.extra.get("parity_sent", 0) for r in reports))
             if any(r.chunks_stale for r in reports):
                 raise SystemExit("a lossless round left chunks stale")
         cpu, wall = time.process_time() - c0, time.perf_counter() - t0
@@ -115,6 +125,7 @@ async def _rounds(elems: int, chunk_bytes: int, reps: int, drain: int = 0) -> di
         "round_cpu_s": cpu / reps,
         "round_wall_s": wall / reps,
         "packets_per_round": sent / reps,
+        "parity_per_round": parity_sent / reps,
     }
 
 
@@ -126,6 +137,9 @@ def main() -> None:
     parser.add_argument("--elems", type=int, default=4_000_000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--drain", type=int, default=32, help="packets per drain")
+    parser.add_argument(
+        "--parity", type=int, default=0, help="also: CPU per parity packet at this group size"
+    )
     args = parser.parse_args()
     if args.quick:
         args.packets, args.elems, args.reps = 10000, 1_000_000, 5
@@ -138,6 +152,11 @@ def main() -> None:
         drained = asyncio.run(_rounds(args.elems, chunk, args.reps, args.drain))
         out["drain_us_per_packet"] = drained["round_us_per_packet"]
         out["drain_round_cpu_s"] = drained["round_cpu_s"]
+        if args.parity:  # the same drained rounds, each stream followed by its parity
+            par = asyncio.run(_rounds(args.elems, chunk, args.reps, args.drain, args.parity))
+            extra = par["round_cpu_s"] - drained["round_cpu_s"]
+            out["parity_per_round"] = par["parity_per_round"]
+            out["parity_us_per_packet"] = 1e6 * extra / max(1.0, par["parity_per_round"])
     for key, value in out.items():
         print(f"{key:>22}: {value:.2f}" if isinstance(value, float) else f"{key:>22}: {value}")
     emit_json(out)
