@@ -189,10 +189,6 @@ class PacketIO:
         if members is None:
             return 0
         addresses = [a for p in peer_ids if (a := members.address_of(p)) is not None]
-        if len(addresses) == 1:
-            if group_bytes:
-                return self.transport.send(addresses[0], frames, group_bytes=group_bytes)
-            return self.transport.send(addresses[0], frames)
         if group_bytes:
             return self.transport.send_each(addresses, frames, group_bytes=group_bytes)
         return self.transport.send_each(addresses, frames)

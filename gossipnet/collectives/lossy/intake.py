@@ -68,8 +68,9 @@ class Intake:
         """Packets of one drain, in order.  Data chunks of our open round go in runs
         of one kind: reduce-scatter contributions are checked one by one and added
         together (:func:`.scatter.accept_rs_batch`), all-gather chunks written
-        together (:func:`.gather.on_ag_batch`); any other packet first flushes the
-        run before it, then takes :meth:`_on_packet`: all act in arrival order."""
+        together (:func:`.gather.on_ag_batch`), parity packets taken one by one; any
+        other packet first flushes the run before it, then takes :meth:`_on_packet`:
+        all act in arrival order."""
         rnd = self._round
         run: list[Packet] = []
         run_kind = -1
@@ -111,22 +112,18 @@ class Intake:
             self._flush(rnd, rs, run)
 
     def _flush(self, rnd: Round, kind: int, run: list[Packet]) -> None:
-        if kind & _PARITY_RUN:  # parity: each rebuilds at most one chunk, one at a time
-            ctx = self._ctx
-            if kind ^ _PARITY_RUN == self.k.ag_data:
-                now = self.node.clock.now()
-                for pkt in run:  # its reduce-scatter is sent (as _on_packet notes)
-                    rnd.rs.passed(pkt.src, now)
-                    on_ag(ctx, rnd, pkt)
-            else:
-                for pkt in run:
-                    on_rs(ctx, rnd, pkt)
-            return
+        parity, kind = kind & _PARITY_RUN, kind & ~_PARITY_RUN
         if kind == self.k.ag_data:
             now = self.node.clock.now()
             for pkt in run:  # its reduce-scatter is sent (as _on_packet notes)
                 rnd.rs.passed(pkt.src, now)
-            on_ag_batch(self._ctx, rnd, run)
+            if not parity:
+                on_ag_batch(self._ctx, rnd, run)
+                return
+        if parity:  # each rebuilds at most one chunk: one call each
+            take = on_ag if kind == self.k.ag_data else on_rs
+            for pkt in run:
+                take(self._ctx, rnd, pkt)
             return
         parts, vals, where = rs_parts(self._ctx, rnd, run)
         if parts:
