@@ -67,7 +67,7 @@ class Config:
         local_ipc: reach peers on ``127.0.0.1`` over a Unix socket in a directory
             private to this user instead of TCP (ZeroMQ backend;
             ``transport/zeromq/local_ipc.py``), and skip the payload MAC there: only this
-            user's processes can write to it (the key's fingerprint is still
+            user's processes can write to it (the pair's secret local token is still
             checked).  Addresses stay ``tcp://127.0.0.1:<port>``.  A 25M float32
             all-reduce across four local processes takes 0.99x gloo's time with it,
             1.41x without (``bench/allreduce.py``, rows ``gossipnet`` and
@@ -117,6 +117,13 @@ class Config:
             ``join_timeout_s`` when not all expected peers came (a warning names the
             absent); ``None``: all of them, so a typo or a wrong secret fails loudly.
             A preemptible fleet, where some peers are always down, sets it.
+        max_peers: most peers one peer keeps keys and state for (itself included):
+            a member making up ids cannot make it dial, key and track without end.
+            Introductions beyond it are dropped (``admission`` counter
+            ``peers_full``); set it above the largest run you expect.
+        admit_per_s: new peer ids bound to a key per second at most (a burst of 64
+            passes at once): a member introducing made-up ids fills
+            ``max_peers`` only this fast (``admission`` counter ``admit_rate``).
     Collectives
         collective_timeout_s: default upper bound of one all-reduce / averaging round.
         phase_min_wait_s: floor of the learned per-sender allowance: a sender is never
@@ -200,6 +207,8 @@ class Config:
     control_timeout_s: float = 3.0
     join_timeout_s: float = 30.0
     min_peers: int | None = None
+    max_peers: int = 512
+    admit_per_s: float = 20.0
     # collectives
     collective_timeout_s: float = 10.0
     phase_min_wait_s: float = 0.1
@@ -225,6 +234,7 @@ class Config:
             "control_retry_s",
             "control_timeout_s",
             "join_timeout_s",
+            "admit_per_s",
             "collective_timeout_s",
             "phase_deadline_factor",
         )
@@ -279,6 +289,10 @@ class Config:
             raise ConfigError(
                 f"Config.min_peers must be None (all expected peers) or an int >= 1 (peers"
                 f" to go on with, this one included), got {self.min_peers!r}"
+            )
+        if type(self.max_peers) is not int or not 2 <= self.max_peers <= 65536:
+            raise ConfigError(
+                f"Config.max_peers must be an int in [2, 65536], got {self.max_peers!r}"
             )
         if self.phase_min_wait_s < 0 or self.resync_every_steps < 0:
             raise ConfigError("phase_min_wait_s and resync_every_steps must be >= 0")

@@ -3,9 +3,11 @@
 :class:`PacketIO` is the part of :class:`gossipnet.runtime.node.Node` that every packet
 passes through.  Sending is fire-and-forget (:meth:`PacketIO.send`,
 :meth:`PacketIO.send_frames`); every accepted packet goes to the one subscriber of its
-kind.  Only a packet addressed to us (``Packet.directed``) and newer than anything its
+kind.  Only a packet under its sender's pairwise key (``Packet.directed``: not an
+introduction, which any member can send under any name) and newer than anything its
 sender sent us before (``Packet.fresh``) refreshes membership, so a captured packet
-replayed later cannot keep a dead peer alive.
+replayed later cannot keep a dead peer alive; and only a node-control packet of the
+peer itself moves that peer's address (its ``addr`` field).
 
 Why apart: it is the per-packet path (the all-reduce sends and receives through it
 once per chunk), so it is kept free of the reliable-message and membership logic,
@@ -25,6 +27,7 @@ from gossipnet.clock import Clock
 from gossipnet.runtime.kinds import KIND_RANGE as _NODE_KINDS
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.runtime.membership import Membership
+from gossipnet.transport.address import valid_address
 from gossipnet.transport.base import Buffer, LocalFrames, Transport
 from gossipnet.transport.wire import Packet, WireCodec
 
@@ -115,6 +118,9 @@ class PacketIO:
         """
         address = self.membership.address_of(peer_id) if self.membership else None
         if address is None or self.transport is None or self.closed:
+            return False
+        if peer_id not in self.codec.keys.by_id:  # not introduced yet: it would drop it
+            self.codec.unkeyed += 1
             return False
         local = self.transport.is_local(address)
         frames = self.codec.encode(kind, fields, payload, local=local, dst=peer_id)
@@ -235,13 +241,21 @@ class PacketIO:
         payload: Buffer = b"",
         *,
         dst: str | None = None,
+        intro: bool = False,
     ) -> bool:
-        """Send one packet to ``address``, for peer ``dst`` (None: its id is not known
-        yet, as for a HELLO to a bootstrap address; such a packet refreshes no
-        liveness at the receiver)."""
+        """Send one packet to ``address``, for peer ``dst`` (signed with our pair key).
+
+        ``intro``: an introduction, signed with the run key (``WireCodec.encode``);
+        ``dst`` may then be None: the peer's id is not known yet, as for a HELLO to
+        a bootstrap address.  Without ``intro`` a ``dst`` whose key we do not hold
+        sends nothing (False).
+        """
         if self.transport is None or self.closed:
             return False
-        frames = self.codec.encode(kind, fields, payload, dst=dst)
+        if not intro and (dst is None or dst not in self.codec.keys.by_id):
+            self.codec.unkeyed += 1
+            return False
+        frames = self.codec.encode(kind, fields, payload, dst=dst, intro=intro)
         return self.transport.send(address, frames, urgent=kind < _FIRST_DATA_KIND)
 
     # ------------------------------------------------------------------ receiving
@@ -294,13 +308,17 @@ class PacketIO:
     ) -> bool:
         """Refresh liveness on a fresh directed packet; False if a request filter drops it.
 
+        The packet's ``addr`` (node-control kinds only: where the sender listens) moves
+        that sender's address: the packet is authenticated as the sender's own, so a
+        member can redirect only its own traffic.
+
         ``now``/``alive``: a drain's time and the (sender, epoch) pairs it already
         refreshed, so a drain of a sender's data packets refreshes it once (the
         same call each time: no address, the same time) instead of per packet.
         """
         if pkt.fresh and pkt.directed:  # evidence of life now, not a late or stray copy
-            addr = pkt.fields.get("addr")
-            address = addr if isinstance(addr, str) else None
+            addr = pkt.fields.get("addr") if pkt.kind < _FIRST_DATA_KIND else None
+            address = addr if valid_address(addr) else None
             key = (pkt.src, pkt.epoch)
             if address is not None or alive is None or key not in alive:
                 self.membership.heard_from(  # type: ignore[union-attr]

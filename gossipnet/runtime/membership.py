@@ -1,10 +1,16 @@
 """Who is alive: heartbeats, failure detection, departures.
 
-A peer is *alive* once a packet from it arrived directly and no longer than
-``failure_timeout_s`` ago.  Peers named only by someone else's view are
-*known* (their address is probed with HELLO) but not alive, so a stale view
-can never resurrect a dead peer.  A LEAVE removes a peer at once; a newer
-epoch from the same id is a restart and replaces the old incarnation.
+A peer is *alive* once a packet under its own key arrived and no longer than
+``failure_timeout_s`` ago.  Peers named only by someone else's view (or only
+introduced, not yet heard under their key) are *known* (their address is
+probed with HELLO) but not alive, so a stale view can never resurrect a dead
+peer.  A LEAVE removes a peer at once; a newer epoch from the same id is a
+restart and replaces the old incarnation.
+
+Bounded: at most ``max_peers`` entries, of which at most :data:`MAX_UNVERIFIED`
+were never heard under their own key; those are forgotten after
+``2 x failure_timeout_s`` without an answer.  A member sending views full of
+made-up ids costs a bounded number of probes, never a socket per id.
 
 This module is pure bookkeeping over an injected clock: the node feeds it
 arrivals and asks it who is dead, so it is tested without sockets.
@@ -12,6 +18,7 @@ arrivals and asks it who is dead, so it is tested without sockets.
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +29,9 @@ log = logging.getLogger(__name__)
 
 MembershipCallback = Callable[[str, str], None]  # (event, peer_id); event in joined|left|died
 
+#: Entries never heard under their own key (learned from views, probed) at most.
+MAX_UNVERIFIED = 64
+
 
 @dataclass(slots=True)
 class PeerInfo:
@@ -30,15 +40,21 @@ class PeerInfo:
     epoch: int = 0
     last_seen: float = float("-inf")
     alive: bool = False
+    verified: bool = False  # heard under its own key at least once
 
 
 class Membership:
     """Alive view of one peer; every method runs on the loop thread."""
 
-    def __init__(self, self_id: str, self_address: str, failure_timeout_s: float) -> None:
+    def __init__(
+        self, self_id: str, self_address: str, failure_timeout_s: float, max_peers: int = 512
+    ) -> None:
         self.self_id = self_id
         self.self_address = self_address
         self.failure_timeout_s = failure_timeout_s
+        self.max_peers = max_peers
+        #: view entries not taken, by reason (``learned_full``: the bounds above)
+        self.refused: collections.Counter[str] = collections.Counter()
         self._peers: dict[str, PeerInfo] = {}
         self._left: dict[str, int] = {}  # peer_id -> epoch that announced LEAVE
         self._callbacks: list[MembershipCallback] = []
@@ -78,6 +94,7 @@ class Membership:
             self._peers[peer_id] = info
         if epoch < info.epoch:
             return
+        info.verified = True
         if address:
             info.address = address
         restarted = info.alive and epoch > info.epoch
@@ -99,8 +116,36 @@ class Membership:
             return False
         if peer_id in self._peers:
             return False
+        if (
+            len(self._peers) + 1 >= self.max_peers
+            or sum(not p.verified for p in self._peers.values()) >= MAX_UNVERIFIED
+        ):
+            self.refused["learned_full"] += 1
+            return False
         self._peers[peer_id] = PeerInfo(peer_id, address, last_seen=now)
         return True
+
+    def bound(self, peer_id: str, epoch: int, address: str, now: float) -> None:
+        """``peer_id`` was just bound to the key of incarnation ``epoch`` (its
+        introduction, from ``address``).
+
+        A peer not alive is (re)probed there; an alive one keeps the address its
+        own packets gave (an introduction is anyone's claim).  The admission that
+        bound it already bounded the count.
+        """
+        if peer_id == self.self_id:
+            return
+        info = self._peers.get(peer_id)
+        if info is None:
+            self._peers[peer_id] = PeerInfo(peer_id, address, epoch, last_seen=now)
+        elif not info.alive:
+            info.address = address
+            info.epoch = max(info.epoch, epoch)
+            info.last_seen = max(info.last_seen, now)
+
+    def left_epoch(self, peer_id: str) -> int:
+        """The incarnation of ``peer_id`` that announced LEAVE, or -1."""
+        return self._left.get(peer_id, -1)
 
     def left(self, peer_id: str, epoch: int) -> None:
         """``peer_id`` announced its departure."""
@@ -139,18 +184,22 @@ class Membership:
             if p.alive:
                 p.last_seen = min(now, p.last_seen + seconds)
 
-    def prune(self, now: float, forget_after_s: float) -> list[str]:
-        """Forget peers dead for longer than ``forget_after_s``; return their addresses.
+    def prune(self, now: float, forget_after_s: float) -> list[PeerInfo]:
+        """Forget peers dead for longer than ``forget_after_s`` (never heard under their
+        key: ``2 x failure_timeout_s``); return them.
 
         Until then a dead peer's address is still probed with HELLO, so a peer that
         restarts on the same address is found again; after it, its resources go.
         """
+        unheard = 2 * self.failure_timeout_s
         gone = [
-            p for p in self._peers.values() if not p.alive and now - p.last_seen > forget_after_s
+            p
+            for p in self._peers.values()
+            if not p.alive and now - p.last_seen > (forget_after_s if p.verified else unheard)
         ]
         for p in gone:
             del self._peers[p.peer_id]
-        return [p.address for p in gone]
+        return gone
 
     def alive(self) -> list[str]:
         """Alive peers, sorted, this peer included."""

@@ -6,6 +6,14 @@ and answers the packets that keep it right: a HELLO to every bootstrap address a
 newly learned peer, a HEARTBEAT carrying our view (and the engines' beacons) every
 interval, a LEAVE on close.
 
+The handshake.  A HELLO is an *introduction*: signed with the run key, it carries
+the sender's address and public key (``pk``) and whether it answers one (``re``).
+Its receiver binds the sender's id to that key if :class:`~.admission.Admission`
+allows, answers a first HELLO with its own (so the sender can bind ours) and, once
+both hold each other's key, a HELLO_ACK with its view under the pair's key.  Only
+packets under a peer's own key make it alive, move its address or announce its
+departure; an introduction is anyone's claim and changes none of these.
+
 Why apart from the packet I/O (:mod:`gossipnet.runtime.dispatch`): it runs on its own
 timer and on control kinds only, never on the per-packet data path, and it is tested
 alone over a :class:`~gossipnet.runtime.dispatch.PacketIO` on a memory network.
@@ -22,15 +30,20 @@ from typing import Any
 import msgpack
 
 from gossipnet.config import Config
+from gossipnet.runtime.admission import Admission
 from gossipnet.runtime.dispatch import PacketCallback, PacketIO
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.runtime.membership import Membership, MembershipCallback
 from gossipnet.runtime.reliable import wait_future
+from gossipnet.transport.address import valid_address
 from gossipnet.transport.wire import Packet
 
 __all__ = ("BEACON_LIMIT", "MembershipProtocol")
 
 _MAX_VIEW_ENTRIES = 4096
+#: A peer's HELLO is answered at most once per this share of the heartbeat interval
+#: (anyone can replay an introduction; each answer costs us two packets).
+_REPLY_SHARE = 0.25
 #: Int beacon values are in [0, BEACON_LIMIT): far from int64's end, so no counter
 #: taken from a beacon overflows what msgpack can encode.  (Other types, e.g. a
 #: bytes digest, are bounded by the header size and pass.)
@@ -73,6 +86,9 @@ class MembershipProtocol:
         #: beats that found our loop stalled, and the seconds excused in all
         self.stalls = 0
         self.stalled_s = 0.0
+        #: the binding rule of introductions (set by :meth:`start`)
+        self.admission: Admission | None = None
+        self._replied: dict[str, float] = {}  # peer id -> when we last answered its HELLO
 
     def start(self) -> Membership:
         """Create the alive view for ``io.address``, hand it to ``io`` and answer
@@ -80,9 +96,14 @@ class MembershipProtocol:
         :meth:`heartbeat_loop` as a task.)"""
         io = self.io
         self.bootstrap = [a for a in self.bootstrap if a != io.address]
-        members = Membership(io.peer_id, io.address, self.config.failure_timeout_s)
+        members = Membership(
+            io.peer_id, io.address, self.config.failure_timeout_s, self.config.max_peers
+        )
         members.on_change(self._redial_the_dead)
         io.membership = members
+        self.admission = Admission(
+            io.codec, self.config, self.clock, members.is_alive, members.left_epoch
+        )
         io.subscribe(NodeKind.HELLO, self._on_hello)
         io.subscribe(NodeKind.HELLO_ACK, self._on_view)
         io.subscribe(NodeKind.HEARTBEAT, self._on_view)
@@ -91,22 +112,44 @@ class MembershipProtocol:
 
     # ------------------------------------------------------------------ answering
     def _on_hello(self, pkt: Packet) -> None:
-        """Answer a HELLO: with our view if it names us, else with a HELLO that does.
+        """An introduction: bind its key if the rule allows, then answer (rate-limited).
 
-        Why two steps for a HELLO sent to a bare address: it names no destination,
-        so anyone could replay it to anyone; it makes us probe the sender (whose
-        answer, addressed to us, is what marks it alive), never marks it alive.
+        A first HELLO (``re`` false) is answered with ours, so its sender can bind our
+        key, and, where both keys are bound, with a HELLO_ACK under the pair's key:
+        what makes us alive at the sender.  A HELLO that answers ours gets only the
+        HELLO_ACK.  Answers go to the address we hold for the peer: once it is alive,
+        only its own packets move that address, whatever an introduction says.
         """
-        io = self.io
-        addr = pkt.fields.get("addr")
-        if not isinstance(addr, str) or io.membership is None:
+        io, members, admission = self.io, self.io.membership, self.admission
+        fields = pkt.fields
+        addr, public = fields.get("addr"), fields.get("pk")
+        if members is None or admission is None or pkt.directed:
             return
-        if not pkt.directed:
-            io.membership.learned(pkt.src, addr, self.clock.now())
-            io.send_to_address(addr, NodeKind.HELLO, {"addr": io.address}, dst=pkt.src)
+        if not valid_address(addr):
+            io.codec.rejects["hello_fields"] += 1
             return
+        assert isinstance(addr, str)
+        outcome = admission.introduce(pkt.src, pkt.epoch, public)
+        if outcome in ("new", "rebound"):
+            members.bound(pkt.src, pkt.epoch, addr, self.clock.now())
+        elif outcome != "same":
+            return
+        now = self.clock.now()
+        last = self._replied.get(pkt.src)
+        if last is not None and 0 <= now - last < _REPLY_SHARE * self.config.heartbeat_interval_s:
+            return
+        if len(self._replied) > 4 * self.config.max_peers:
+            self._replied.clear()
+        self._replied[pkt.src] = now
+        reply_to = members.address_of(pkt.src) or addr
+        if fields.get("re") is not True:
+            io.send_to_address(reply_to, NodeKind.HELLO, self._hello(True), dst=pkt.src, intro=True)
         view = self._view_payload()
-        io.send_to_address(addr, NodeKind.HELLO_ACK, {"addr": io.address}, view, dst=pkt.src)
+        io.send_to_address(reply_to, NodeKind.HELLO_ACK, {"addr": io.address}, view, dst=pkt.src)
+
+    def _hello(self, answer: bool) -> dict[str, object]:
+        """Our introduction's fields: address, public key, whether it answers one."""
+        return {"addr": self.io.address, "pk": self.io.codec.identity.public, "re": answer}
 
     def on_heartbeat(self, callback: PacketCallback) -> None:
         """Also call ``callback`` with every heartbeat (to read others' beacons)."""
@@ -125,7 +168,7 @@ class MembershipProtocol:
         try:
             view = msgpack.unpackb(
                 pkt.payload,
-                max_array_len=_MAX_VIEW_ENTRIES,
+                max_array_len=min(_MAX_VIEW_ENTRIES, self.config.max_peers),
                 max_str_len=1024,
                 max_bin_len=0,
                 max_map_len=0,
@@ -137,14 +180,17 @@ class MembershipProtocol:
         if not isinstance(view, list):
             io.codec.rejects["view_parse"] += 1
             return
+        now, hello = self.clock.now(), self._hello(False)
         for entry in view:
             if (
                 isinstance(entry, list)
                 and len(entry) == 2
-                and all(isinstance(x, str) for x in entry)
-                and io.membership.learned(entry[0], entry[1], self.clock.now())
+                and isinstance(entry[0], str)
+                and 0 < len(entry[0]) <= 256
+                and valid_address(entry[1])
+                and io.membership.learned(entry[0], entry[1], now)
             ):
-                io.send_to_address(entry[1], NodeKind.HELLO, {"addr": io.address}, dst=entry[0])
+                io.send_to_address(entry[1], NodeKind.HELLO, hello, dst=entry[0], intro=True)
 
     def _on_leave(self, pkt: Packet) -> None:
         io = self.io
@@ -153,17 +199,20 @@ class MembershipProtocol:
         address = io.membership.address_of(pkt.src)
         io.membership.left(pkt.src, pkt.epoch)
         io.codec.forget(pkt.src)
-        if address is not None:
-            # after a grace period: the ACK of this LEAVE is still queued on that socket
-            grace = min(self.config.control_timeout_s, 10 * self.config.control_retry_s)
-            self.clock.call_later(grace, lambda: self._forget(address))
+        # after a grace period: the ACK of this LEAVE is still to be sent under its key
+        grace = min(self.config.control_timeout_s, 10 * self.config.control_retry_s)
+        self.clock.call_later(grace, lambda: self._forget(address, pkt.src, pkt.epoch))
 
-    def _forget(self, address: str) -> None:
-        """Release the transport's per-destination resources unless a peer uses it again."""
+    def _forget(self, address: str | None, peer_id: str | None = None, epoch: int = -1) -> None:
+        """Release the transport's per-destination resources unless a peer uses it again,
+        and ``peer_id``'s keys if they are still those of incarnation ``epoch``."""
         io = self.io
         if io.closed or io.transport is None or io.membership is None:
             return
-        if any(p.address == address for p in io.membership.known()):
+        session = io.codec.keys.by_id.get(peer_id) if peer_id is not None else None
+        if session is not None and session.epoch <= epoch and not session.pinned:
+            io.codec.unbind(session.peer_id)
+        if address is None or any(p.address == address for p in io.membership.known()):
             return
         io.transport.forget(address)
 
@@ -241,8 +290,8 @@ class MembershipProtocol:
                 " or starved of CPU); the other peers are not blamed for it", io.peer_id, late,
             )  # fmt: skip
         members.expire(now)
-        for address in members.prune(now, 10 * self.config.failure_timeout_s):
-            self._forget(address)
+        for gone in members.prune(now, 10 * self.config.failure_timeout_s):
+            self._forget(gone.address, gone.peer_id, gone.epoch)
         view = self._view_payload()
         beat: dict[str, object] = {"addr": io.address}
         for key, value in self.beacon.items():
@@ -254,16 +303,18 @@ class MembershipProtocol:
                     log.error(
                         "peer %s: beacon %s=%r out of range; not sent", io.peer_id, key, value
                     )
-        hello = {"addr": io.address}
+        hello = self._hello(False)
         for info in members.known():
             if info.alive:
                 io.send_to_address(info.address, NodeKind.HEARTBEAT, beat, view, dst=info.peer_id)
             else:
-                io.send_to_address(info.address, NodeKind.HELLO, hello, dst=info.peer_id)
+                io.send_to_address(
+                    info.address, NodeKind.HELLO, hello, dst=info.peer_id, intro=True
+                )
         known_addresses = {p.address for p in members.known() if p.alive}
         for address in self.bootstrap:
             if address not in known_addresses:
-                io.send_to_address(address, NodeKind.HELLO, hello)
+                io.send_to_address(address, NodeKind.HELLO, hello, intro=True)
 
     # ------------------------------------------------------------------ asking
     def alive_peers(self) -> list[str]:

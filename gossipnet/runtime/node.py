@@ -81,7 +81,9 @@ class Node:
         self.address = ""
         self.transport: Transport | None = None
         self.membership: Membership | None = None
-        self.codec = WireCodec(secret, config, peer_id, clock=self.clock)
+        self.codec = WireCodec(
+            secret, config, peer_id, clock=self.clock, intro_kinds=frozenset({NodeKind.HELLO})
+        )
         self.io = io = PacketIO(peer_id, self.clock, self.codec)
         self.reliable = reliable = Reliable(io, config)
         self.members = members = MembershipProtocol(io, config, bootstrap)
@@ -195,6 +197,11 @@ class Node:
                 out["faults"] = fault_stats.as_dict()
         out["wire_rejects"] = dict(self.codec.rejects)
         out["wire_accepted"] = self.codec.accepted
+        out["wire_unkeyed"] = self.codec.unkeyed
+        if self.members.admission is not None:
+            out["admission"] = dict(self.members.admission.counts)
+        if self.membership is not None:
+            out["membership_refused"] = dict(self.membership.refused)
         out["unhandled_kinds"] = dict(self.unhandled)
         out["heartbeat_errors"] = dict(self.heartbeat_errors)
         out["loop_stalls"] = {"count": self.members.stalls, "seconds": self.members.stalled_s}

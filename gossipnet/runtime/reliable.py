@@ -147,9 +147,8 @@ class Reliable:
         if type(rid) is not int or not 0 <= rid <= _INT64_MAX:
             io.codec.rejects["request_id"] += 1
             return False
-        addr = pkt.fields.get("addr")
+        # where the sender's own packets put it: never an address a packet names
         reply_to = io.membership.address_of(pkt.src) if io.membership else None
-        reply_to = reply_to or (addr if isinstance(addr, str) else None)
         if reply_to is not None:
             io.send_to_address(reply_to, NodeKind.ACK, {"ak": rid}, dst=pkt.src)
         key = (pkt.src, pkt.epoch, rid)

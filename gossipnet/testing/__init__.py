@@ -8,6 +8,7 @@
   and loopback addresses for real sockets.
 - :mod:`~gossipnet.testing.conformance`: :func:`check_transport`, the checks every
   :class:`~gossipnet.transport.Transport` backend must pass, yours included.
+- :func:`introduce`: bind hand-built wire codecs to each other's keys.
 - Faults: :class:`FaultPlan` and friends inject seeded loss, crashes and
   partitions; :func:`radio_faults` derives each link's loss from a radio model;
   :mod:`~gossipnet.testing.noise` models stragglers.
@@ -35,6 +36,7 @@ from gossipnet.testing.conformance import (
     check_transport,
     run_check,
 )
+from gossipnet.testing.keys import introduce
 from gossipnet.testing.noise import LogNormalDelay, NoisePlan, SlowPeer, Stall, simulate_fleet
 from gossipnet.testing.virtual_time import (
     autojump,
@@ -69,6 +71,7 @@ __all__ = (
     "cluster",
     "drive",
     "free_tcp_ports",
+    "introduce",
     "loopback_addresses",
     "new_event_loop",
     "radio_faults",

@@ -12,8 +12,10 @@ checked with one dictionary lookup for the tail and the remaining per-packet
 tests inline; every other packet returns :data:`SLOW` *before any side effect*
 and takes the codec's full path, which counts its reject reason as always.
 
-What stays per packet, as on the full path: the MAC (or, for local frames, the
-key fingerprint), the epoch and sequence bounds, the dtype and count against
+The tail also names the sender's session (its pairwise keys), so the key id
+closing the MAC frame is compared, not looked up.  What stays per packet, as on
+the full path: the MAC (or, for local frames, the pair's local token), the
+sender's key id and incarnation, the epoch and sequence bounds, the dtype and count against
 the payload length, and the replay window; a rejected packet is counted with
 the same reason the full path gives (tests/unit/test_fast_decode.py checks
 both against each other, packet by packet).
@@ -31,11 +33,13 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from gossipnet.transport import _data_header as _fixed
+from gossipnet.transport._dest import TAG_BYTES
 from gossipnet.transport._packet import Packet
 from gossipnet.transport._replay import INT64_MAX
 from gossipnet.transport.base import Buffer, LocalFrames
+from gossipnet.transport.identity import KEY_ID_BYTES, Session
 
-__all__ = ("SLOW", "FixedFastPath")
+__all__ = ("SLOW", "FixedFastPath", "tag_in")
 
 #: Returned where a packet needs the codec's full path (nothing was changed).
 SLOW: Final = object()
@@ -47,12 +51,11 @@ _DIRECTED = _fixed.HAS_DST
 
 
 class FixedFastPath:
-    """The fast path of one codec (its signer, keys, replay window and reject counter).
+    """The fast path of one codec (its keys, replay window and reject counter).
 
     Args:
-        verify: the signer's ``verify(head, payload, tag)``.
-        fingerprint: the key fingerprint closing every MAC frame.
-        mac_bytes: the MAC frame's length.
+        own_tag: our destination tag (finds our MAC in a frame for several peers).
+        sig: one MAC tag's size (the signer's ``size``).
         limits: ``(max_header_bytes, max_payload_bytes)``.
         ident: ``(wire version, run tag)``.
         replay: the replay window's ``check(src, epoch, seq)``.
@@ -62,35 +65,36 @@ class FixedFastPath:
 
     def __init__(
         self,
-        verify: Callable[[Buffer, Buffer, memoryview], bool],
-        fingerprint: bytes,
-        mac_bytes: int,
+        own_tag: bytes,
+        sig: int,
         limits: tuple[int, int],
         ident: tuple[int, int],
         replay: Callable[[str, int, int], str | None],
         reject: Callable[[str, str | None], None],
         suspect: Callable[[str, memoryview, bool], None],
     ) -> None:
-        self._verify, self._fp, self._mac_bytes = verify, fingerprint, mac_bytes
+        self._own, self._sig = own_tag, sig
+        self._one = sig + KEY_ID_BYTES  # a one-peer MAC frame's length
         self._max_head, self._max_payload = limits
         self._version, self._run = ident
         self._replay, self._reject, self._suspect = replay, reject, suspect
-        #: accepted tails: bytes after the fixed header -> (src, src_len, ndst, directed)
-        self._tails: dict[bytes, tuple[str, int, int, bool]] = {}
+        #: accepted tails: bytes after the fixed header -> (src, src_len, ndst, session)
+        self._tails: dict[bytes, tuple[str, int, int, Session]] = {}
         self.fast = 0  # packets decided here (accepted or rejected), for tests and benches
 
-    def learn(self, head: memoryview, pkt: Packet) -> None:
-        """Remember the tail of a fixed header the full path accepted.
-
-        Only headers shaped as the encoder makes them (tags flagged exactly when
-        there are some), so an odd one cannot displace its sender's usual entry.
-        """
+    def learn(self, head: memoryview, pkt: Packet, session: Session) -> None:
+        """Remember the tail of a directed fixed header the full path accepted under
+        ``session``'s key."""
         src_len, ndst = head[8], head[9]
-        if pkt.directed != (ndst > 0):
+        if not ndst:
             return
         if len(self._tails) >= _MAX_TAILS:
             self._tails.clear()
-        self._tails[bytes(head[_HEAD:])] = (pkt.src, src_len, ndst, pkt.directed)
+        self._tails[bytes(head[_HEAD:])] = (pkt.src, src_len, ndst, session)
+
+    def forget(self) -> None:
+        """Drop every remembered tail (a peer's keys changed)."""
+        self._tails.clear()
 
     def decode(self, frames: Sequence[Buffer]) -> Packet | object | None:
         """``frames`` decoded as the full path would, or :data:`SLOW` (no side effect)."""
@@ -109,39 +113,41 @@ class FixedFastPath:
         if not (
             _HEAD < size <= self._max_head
             and len(payload) <= self._max_payload
-            and len(mac) == self._mac_bytes
             and head[0] == _fixed.MAGIC
         ):
             return SLOW
         known = self._tails.get(bytes(head[_HEAD:]))
         if known is None:
             return SLOW
+        src, src_len, ndst, session = known
+        if mac[-KEY_ID_BYTES:] != session.key_id:
+            return SLOW  # another key (or none): the full path decides
         f = _fixed.FIXED.unpack_from(head)
-        src, src_len, ndst, directed = known
         if not (
             f[1] == self._version  # the FIXED fields: version, flags, src_len, ndst, run
             and f[10] == self._run
-            and f[6] & _DIRECTED == (_DIRECTED if directed else 0)
+            and f[6] & _DIRECTED
             and f[7] == src_len
             and f[8] == ndst
             and f[4] < len(_ITEMSIZES)  # dtype
+            and f[11] == session.epoch
         ):
+            return SLOW
+        tag = mac[: self._sig] if len(mac) == self._one else tag_in(mac, self._sig, self._own)
+        if tag is None:
             return SLOW
         # Past here every packet is decided: as the full path would, in its order.
         self.fast += 1
-        cut = len(self._fp)
-        same_key = hmac.compare_digest(mac[-cut:], self._fp)
-        if not same_key or not (
-            type(frames) is LocalFrames or self._verify(head, payload, mac[:-cut])
+        if not (
+            (type(frames) is LocalFrames and hmac.compare_digest(tag, session.token_in))
+            or session.recv.verify(head, payload, tag)
         ):
-            self._reject("mac", None)
-            self._suspect("mac", head, same_key)
+            self._reject("mac", src)
+            self._suspect("mac", head, True)
             return None
-        return self._accept(f, src, directed, payload)
+        return self._accept(f, src, payload)
 
-    def _accept(
-        self, f: tuple[Any, ...], src: str, directed: bool, payload: memoryview
-    ) -> Packet | None:
+    def _accept(self, f: tuple[Any, ...], src: str, payload: memoryview) -> Packet | None:
         """The checks after the tail's: bounds, count, replay; then the packet."""
         (_, _, kind, mode, dt, x, flags, _, _, z, _, epoch, seq, r, lay, b, c, n, w) = f
         if epoch > INT64_MAX or seq > INT64_MAX:
@@ -156,4 +162,20 @@ class FixedFastPath:
             return None
         code = _fixed.DTYPE_ORDER[dt]
         fields = _fixed.fields_of(mode, code, r, lay, b, c, n, flags, w, x, z)
-        return Packet(src, epoch, seq, kind, fields, payload, directed, reason is None)
+        return Packet(src, epoch, seq, kind, fields, payload, True, reason is None)
+
+
+def tag_in(mac: memoryview, sig: int, own: bytes) -> memoryview | None:
+    """Our tag in a MAC frame for ``k >= 2`` peers (``tags(4k) || tags(sig*k) || kid``),
+    or None: no frame of that shape, or our destination tag is not among its tags."""
+    k, rest = divmod(len(mac) - KEY_ID_BYTES, sig + TAG_BYTES)
+    if rest or k < 2:
+        return None
+    tags = bytes(mac[: TAG_BYTES * k])
+    i = tags.find(own)
+    while i > 0 and i % TAG_BYTES:
+        i = tags.find(own, i + 1)
+    if i < 0:
+        return None
+    start = TAG_BYTES * k + (i // TAG_BYTES) * sig
+    return mac[start : start + sig]

@@ -108,6 +108,23 @@ def check_peer_address(address: object, *, listen: str | None = None) -> str:
     return address
 
 
+#: Longest address accepted from the network (a path of an ipc:// socket fits).
+MAX_ADDRESS_CHARS = 256
+
+
+def valid_address(address: object) -> bool:
+    """Whether a peer announced ``address`` as one :func:`check_peer_address` accepts,
+    at most :data:`MAX_ADDRESS_CHARS` long: what the runtime dials is bounded and
+    well-formed, whatever a packet says."""
+    if not isinstance(address, str) or len(address) > MAX_ADDRESS_CHARS:
+        return False
+    try:
+        check_peer_address(address)
+    except ConfigError:
+        return False
+    return True
+
+
 def join_host_port(host: str, port: int | str) -> str:
     """Inverse of :func:`split_host_port`: brackets an IPv6 literal."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -45,8 +45,8 @@ class LocalFrames(list[memoryview]):
     that arrived through a same-host socket in a directory private to this
     user (``transport/zeromq/local_ipc.py``).  Why it matters: such a sender could
     read our memory and key anyway, so a MAC over the payload proves nothing
-    the operating system has not already; the wire codec then checks the key
-    fingerprint instead of hashing every byte (``WireCodec.decode``).
+    the operating system has not already; the wire codec then checks the
+    pair's local token instead of hashing every byte (``WireCodec.decode``).
     """
 
     __slots__ = ()
@@ -177,7 +177,7 @@ class Transport(abc.ABC):
         """Whether packets to ``dst`` now arrive there as :class:`LocalFrames`.
 
         A sender may then leave their MAC unsigned (``WireCodec.encode(local=True)``):
-        the receiver checks only the key fingerprint on that channel, and would
+        the receiver checks only the pair's local token on that channel, and would
         reject such a packet on any other.  False unless a backend knows better.
         """
         return False

@@ -3,21 +3,32 @@
 A packet is a small msgpack map (the header; data packets, whose fields are
 always the same, use the fixed binary layout of :mod:`._data_header` instead,
 told apart by its first byte), the raw payload (never
-msgpack-encoded, so tensor chunks travel without a copy) and a 16-byte MAC
-over both.  The receiver rejects with the cheapest failing test, in order:
-frame count, sizes, MAC, header parse (msgpack size limits), version, run,
-field types and ranges, our own id, destination, dtype/count, epoch, replay.
-Nothing is parsed before the MAC checks out, so a forger costs us one hash of
-a bounded buffer and nothing more; the one exception is a diagnostic: a
-rejected header is sampled (at most 100 a second, size-limited) for the
-sender it *claims*, so ``join()`` can name a peer with another secret
-(:class:`Suspect`; never acted on).
+msgpack-encoded, so tensor chunks travel without a copy) and a MAC frame.
 
-Why a destination (``"@"``: 4-byte tags of the peers a packet is for): see
-:mod:`._dest`.  A packet with no destination (a HELLO to a bootstrap address
-whose peer id we do not know yet) is accepted with ``Packet.directed`` False;
-the node lets such packets refresh no liveness.
-Our own id as ``src`` is rejected outright (``own_packet``).
+Who signs.  Every packet but an *introduction* is signed with the pairwise key
+of its sender and its receiver (:mod:`.identity`): only those two can compute
+it, so a member holding the run secret cannot speak for another.  The MAC
+frame is, with ``s`` the signer's tag size (28 bytes for AES-GMAC)::
+
+    for one peer:    tag (s)                          || sender's key id (8)
+    for k >= 2:      dest tags (4k) || tags (s * k)    || sender's key id (8)
+
+A broadcast is encoded once and tagged once per destination, each receiver
+finding its tag by its destination tag (:mod:`._dest`).  An introduction (a
+HELLO carrying the sender's public key: the kinds the runtime names in
+``intro_kinds``) is signed with the run key and closed by the run key's
+fingerprint instead: any member can send one under any name, so it binds
+nothing by itself (:mod:`gossipnet.runtime.admission` decides), never refreshes
+liveness and bypasses the members' replay windows.
+
+The receiver rejects with the cheapest failing test, in order: frame count,
+sizes, key id (unknown: ``unknown_key``, before any hash), MAC, header parse
+(msgpack size limits), version, run, field types and ranges, the sender the
+key belongs to (``impersonation``) and its incarnation (``epoch_mismatch``),
+destination, dtype/count, replay.  Nothing is parsed before the MAC checks
+out; the one exception is a diagnostic: a rejected header is sampled (at most
+100 a second, size-limited) for the sender it *claims*, so ``join()`` can name
+a peer with another secret (:class:`Suspect`; never acted on).
 
 Why a per-sender replay window, and bounds on epoch and seq: see
 :mod:`._replay`.  ``Packet.fresh`` says the packet advanced its sender's
@@ -47,11 +58,12 @@ from gossipnet.clock import Clock, MonotonicClock
 from gossipnet.config import Config
 from gossipnet.transport import _data_header as _fixed
 from gossipnet.transport._dest import DestTags
-from gossipnet.transport._fast_decode import SLOW, FixedFastPath
+from gossipnet.transport._fast_decode import SLOW, FixedFastPath, tag_in
 from gossipnet.transport._packet import Packet
 from gossipnet.transport._rejects import RejectLog, Suspect
 from gossipnet.transport._replay import INT64_MAX, ReplayWindow
 from gossipnet.transport.base import Buffer, LocalFrames
+from gossipnet.transport.identity import KEY_ID_BYTES, Identity, Keyring, Session
 from gossipnet.transport.mac import make_signer
 
 __all__ = (
@@ -68,10 +80,10 @@ __all__ = (
 
 log = logging.getLogger(__name__)
 
-VERSION = 2  # 2: parity packets in the fixed header (_data_header.HAS_G)
-MAC_BYTES = 16  # the tag; the MAC frame is ``WireCodec.mac_bytes`` long (36 for aes-gmac)
-#: Bytes of key fingerprint closing every MAC frame (see ``WireCodec.decode``).
-FINGERPRINT_BYTES = 8
+VERSION = 3  # 3: pairwise MACs and key ids (identity.py)
+MAC_BYTES = 16  # the tag; a one-peer MAC frame is ``WireCodec.mac_bytes`` long (36 for aes-gmac)
+#: Bytes of key id (or, for introductions, run key fingerprint) closing every MAC frame.
+FINGERPRINT_BYTES = KEY_ID_BYTES
 #: Header keys the codec owns; caller fields may not use them.
 RESERVED_KEYS = frozenset({"v", "run", "src", "e", "q", "k", "@"})
 
@@ -136,9 +148,10 @@ class WireCodec:
     Not thread-safe: use one codec from the event-loop thread only.
 
     Args:
-        secret: shared run secret.  ``None`` (or empty) keys the MAC with an
+        secret: shared run secret.  ``None`` (or empty) keys introductions with an
             empty secret: corruption and other runs' packets are still dropped,
-            but anyone who knows the run id can forge packets.
+            and members still cannot speak for each other, but anyone who knows
+            the run id can introduce itself and join.
         config: reads ``run``, ``mac``, ``max_header_bytes``,
             ``max_payload_bytes``, ``replay_window_packets``, ``reject_log_interval_s``.
         src: our peer id, stamped on every packet we encode.
@@ -146,6 +159,8 @@ class WireCodec:
             peer (a new process) outranks its previous life.  Wall time is the
             point here, not a deadline, hence not the injected clock.
         clock: paces the reject log; defaults to :class:`MonotonicClock`.
+        intro_kinds: the kinds that may travel signed with the run key (the
+            runtime's HELLO); any other kind must come under a bound peer's key.
     """
 
     def __init__(
@@ -156,6 +171,7 @@ class WireCodec:
         *,
         epoch: int | None = None,
         clock: Clock | None = None,
+        intro_kinds: frozenset[int] = frozenset(),
     ) -> None:
         if secret is not None and not isinstance(secret, bytes | bytearray | memoryview):
             raise TypeError(f"secret must be bytes (e.g. 'text'.encode()), got {type(secret)}")
@@ -168,16 +184,25 @@ class WireCodec:
         self.epoch = time.time_ns() if epoch is None else epoch
         self.clock: Clock = clock or MonotonicClock()
         self.accepted = 0
+        self.intro_kinds = frozenset(int(k) for k in intro_kinds)
         key = _derive_key(bytes(secret or b""), config.run)
-        self._signer = make_signer(config.mac, key)
+        self._signer = make_signer(config.mac, key)  # introductions only
+        self._sig = self._signer.size
         self._fingerprint = _fingerprint(key)
-        self.mac_bytes = self._signer.size + FINGERPRINT_BYTES  # length of the MAC frame
-        self._unsigned = bytes(self._signer.size) + self._fingerprint
+        #: our key pair; :attr:`keys` holds the peers bound to theirs
+        self.identity = Identity(key, src)
+        self.keys = Keyring(self.identity, key, config.mac)
+        self._kid = self.identity.key_id
+        self.mac_bytes = self._sig + FINGERPRINT_BYTES  # a one-peer MAC frame's length
         self._base = {"v": VERSION, "run": config.run, "src": src, "e": self.epoch}
         self._src_utf8 = src.encode()
         self._run_tag = _fixed.run_tag(config.run)
         self._src_names: dict[bytes, str] = {}  # decoded sender ids of fixed headers
         self._dest = DestTags(key, src)
+        #: dst -> (MAC-frame destination tags, sessions), for the peers we hold keys of
+        self._sealers: dict[str | tuple[str, ...], tuple[bytes, tuple[Session, ...]]] = {}
+        #: packets encoded for a destination we hold no key of (that peer drops them)
+        self.unkeyed = 0
         self._seq = itertools.count()  # next() is atomic under the GIL
         self._replay = ReplayWindow(config.replay_window_packets, config.max_clock_skew_s)
         n = config.max_header_bytes  # no object inside a header can be larger
@@ -190,9 +215,8 @@ class WireCodec:
         self._note_suspect = self._log.note_suspect
         self._replay_check = self._replay.check
         self._fast = FixedFastPath(
-            self._signer.verify,
-            self._fingerprint,
-            self.mac_bytes,
+            self._dest.own,
+            self._sig,
             (config.max_header_bytes, config.max_payload_bytes),
             (VERSION, self._run_tag),
             self._replay_check,
@@ -205,6 +229,59 @@ class WireCodec:
         #: (bounded; see :class:`Suspect`): what ``join()``'s error names.
         self.suspects = self._log.suspects
 
+    # ------------------------------------------------------------------ keys
+    def bind(self, peer_id: str, epoch: int, public: bytes, *, pinned: bool = False) -> Session:
+        """Bind ``peer_id`` (incarnation ``epoch``) to ``public``: from now on only packets
+        under its pairwise key are taken from it (:meth:`.Keyring.bind`; whether it may
+        rebind a name is the runtime's rule).
+
+        Raises:
+            ValueError: an unusable public key, our own key or our own id.
+        """
+        session = self.keys.bind(peer_id, epoch, public, pinned=pinned)
+        self._keys_changed()
+        return session
+
+    def unbind(self, peer_id: str) -> Session | None:
+        """Forget ``peer_id``'s keys: its packets are dropped (``unknown_key``)."""
+        old = self.keys.unbind(peer_id)
+        if old is not None:
+            self._keys_changed()
+        return old
+
+    def _keys_changed(self) -> None:
+        self._sealers.clear()
+        self._fast.forget()
+
+    def _sealer(self, dst: str | Sequence[str]) -> tuple[bytes, tuple[Session, ...]]:
+        """The MAC-frame destination tags and the sessions that ``dst``'s tags are made with."""
+        key: str | tuple[str, ...] = dst if isinstance(dst, str) else tuple(dst)
+        got = self._sealers.get(key)
+        if got is None:
+            by_id = self.keys.by_id
+            ids = (key,) if isinstance(key, str) else key
+            sessions = tuple(by_id[p] for p in dict.fromkeys(ids) if p in by_id)
+            tags = self._dest.of([s.peer_id for s in sessions]) if len(sessions) > 1 else b""
+            if len(self._sealers) > 1024:
+                self._sealers.clear()
+            got = self._sealers[key] = (tags, sessions)
+        return got
+
+    def _seal(
+        self, sealer: tuple[bytes, tuple[Session, ...]], head: Buffer, payload: Buffer, local: bool
+    ) -> bytes:
+        """The MAC frame of one packet for the sessions of ``sealer``."""
+        tags, sessions = sealer
+        if len(sessions) == 1:
+            s = sessions[0]
+            return (s.token_out if local else s.send.sign(head, payload)) + self._kid
+        if not sessions:
+            self.unkeyed += 1
+            return self._kid  # every receiver drops it (mac_size): it holds no tag of ours
+        if local:
+            return b"".join((tags, *(s.token_out for s in sessions), self._kid))
+        return b"".join((tags, *(s.send.sign(head, payload) for s in sessions), self._kid))
+
     # ------------------------------------------------------------------ encode
     def encode(
         self,
@@ -214,12 +291,13 @@ class WireCodec:
         *,
         local: bool = False,
         dst: str | Sequence[str] | None = None,
+        intro: bool = False,
     ) -> list[Buffer]:
         """Build ``[header, payload, mac]`` for one packet; the payload is not copied.
 
         ``local``: every destination receives this packet over a private local
-        channel (``Transport.is_local``), where only the key fingerprint is
-        checked (:meth:`decode`): the MAC is left zero, saving its hash of the
+        channel (``Transport.is_local``), where the MAC frame carries each pair's
+        local token instead of a MAC (:meth:`decode`), saving the hash of the
         payload.  Such a packet is rejected anywhere else.
 
         Args:
@@ -227,18 +305,24 @@ class WireCodec:
             fields: caller header fields: str keys, msgpack-able values (ints,
                 str, floats, bools, small lists); nested maps need str keys.
             payload: raw bytes; a memoryview is re-viewed as bytes, never copied.
-            dst: the peer id (or ids) this packet is for; any other receiver drops
-                it (``destination``).  ``None`` only where no id is known yet (a
-                HELLO to a bare address): such a packet refreshes no liveness.
+            dst: the peer id (or ids) this packet is for, each signed for with its
+                pairwise key; a peer whose key we do not hold gets no tag (counted
+                in :attr:`unkeyed`) and drops the packet.
+            intro: sign with the run key instead (an introduction: ``kind`` must be
+                one of the receiver's ``intro_kinds``); ``dst`` may then be None
+                (a HELLO to a bootstrap address whose peer is not known yet).
 
         Raises:
-            ValueError: a reserved key in ``fields``, a kind out of range, or a
-                header or payload over the configured limits (a peer would drop it).
+            ValueError: a reserved key in ``fields``, a kind out of range, no ``dst``
+                for a pairwise packet, or a header or payload over the configured
+                limits (a peer would drop it).
             TypeError: a field value msgpack cannot encode.
         """
         kind = int(kind)
         if not 0 <= kind <= _KIND_MAX:
             raise ValueError(f"kind must be in [0, {_KIND_MAX}], got {kind}")
+        if dst is None and not intro:
+            raise ValueError("a packet needs dst (the peers whose keys sign it) unless intro=True")
         if isinstance(payload, memoryview):
             payload = _as_bytes_view(payload)
         if (size := len(payload)) > self.config.max_payload_bytes:
@@ -261,9 +345,10 @@ class WireCodec:
             raise ValueError(
                 f"header of {size} B > Config.max_header_bytes; move data to the payload"
             )
-        if local:
-            return [head, payload, self._unsigned]
-        return [head, payload, self._signer.sign(head, payload) + self._fingerprint]
+        if intro:
+            return [head, payload, self._signer.sign(head, payload) + self._fingerprint]
+        assert dst is not None
+        return [head, payload, self._seal(self._sealer(dst), head, payload, local)]
 
     def encode_run(
         self,
@@ -273,7 +358,7 @@ class WireCodec:
         payloads: Sequence[Buffer],
         *,
         local: bool = False,
-        dst: str | Sequence[str] | None = None,
+        dst: str | Sequence[str],
         chunk_key: str = "c",
     ) -> list[list[Buffer]]:
         """Frames of data packets that differ only in bucket, chunk, count and payload.
@@ -318,12 +403,19 @@ class WireCodec:
         seq = self._seq
         heads = _fixed.repack(head, [(next(seq), b, c, n) for b, c, n in rows[1:]])
         out: list[list[Buffer]] = [first]
-        if local:
-            unsigned = self._unsigned
-            out += [[h, v, unsigned] for h, v in zip(heads, views, strict=True)]
-        else:
-            sign, fp = self._signer.sign, self._fingerprint
-            out += [[h, v, sign(h, v) + fp] for h, v in zip(heads, views, strict=True)]
+        sealer = self._sealer(dst)
+        sessions = sealer[1]
+        if len(sessions) == 1:  # the common case, without the general call per packet
+            s, kid = sessions[0], self._kid
+            if local:
+                frame = s.token_out + kid
+                out += [[h, v, frame] for h, v in zip(heads, views, strict=True)]
+            else:
+                sign = s.send.sign
+                out += [[h, v, sign(h, v) + kid] for h, v in zip(heads, views, strict=True)]
+            return out
+        seal = self._seal
+        out += [[h, v, seal(sealer, h, v, local)] for h, v in zip(heads, views, strict=True)]
         return out
 
     # ------------------------------------------------------------------ decode
@@ -334,14 +426,15 @@ class WireCodec:
         packet, and the receive path must keep running for the others.
 
         ``local``: the packet came over a channel only this user's processes can
-        write to (:class:`~gossipnet.transport.base.LocalFrames`).  Then the MAC
-        frame's closing key fingerprint is compared instead of hashing header and
-        payload: what a MAC would prove there (a holder of the key sent these
-        bytes) the operating system already does, and the MAC is a sixth of a
-        local all-reduce's CPU.  The fingerprint still keeps out a job on the
-        same host with another secret; every other check runs as on the network.
-        Network packets are checked against both; they never rely on the
-        fingerprint alone, which is not signed.
+        write to (:class:`~gossipnet.transport.base.LocalFrames`).  Then the
+        pair's local token is compared instead of hashing header and payload:
+        what a MAC would prove there (the holder of the pair key sent these
+        bytes) the operating system mostly does, and the MAC is a sixth of a
+        local all-reduce's CPU.  The token is a secret of the pair, so another
+        member on the host cannot pass for this sender without reading its
+        memory (which the same user can: see the guide's security model).  An
+        introduction is always checked in full; every other check runs as on
+        the network.  Network packets never rely on a token.
         """
         try:
             return self._decode(frames, local)
@@ -359,8 +452,7 @@ class WireCodec:
         dispatcher (``PacketIO.on_batch``) then hands a subscriber all of a drain's
         packets together, and the data packets of senders already seen take the
         fast path (:mod:`._fast_decode`: the same checks and reject reasons, the
-        per-sender ones done once): ``bench/packet_path.py --quick`` measured
-        ``decode_batch_us`` 4.5-4.6 -> 3.8 us per 8 KiB packet (most of the rest is the MAC).
+        per-sender ones done once).
         """
         decode, fast, out = self._decode, self._fast.decode, []
         for frames in batch:
@@ -395,19 +487,11 @@ class WireCodec:
         if len(payload) > cfg.max_payload_bytes:
             self._reject("payload_size", None)
             return None
-        same_key = hmac.compare_digest(mac[-FINGERPRINT_BYTES:], self._fingerprint)
-        if len(mac) != self.mac_bytes:
-            self._reject("mac_size", None)
-            self._note_suspect("mac_size", head, same_key)
-            return None
-        if not same_key or not (
-            local or self._signer.verify(head, payload, mac[:-FINGERPRINT_BYTES])
-        ):
-            self._reject("mac", None)
-            self._note_suspect("mac", head, same_key)
+        session = self._open(head, payload, mac, local)
+        if session is None:
             return None
         if head and head[0] == _fixed.MAGIC:
-            return self._check_fixed(head, payload)
+            return self._check_fixed(head, payload, session)
         try:
             header = self._unpack(head)
         except Exception:
@@ -416,9 +500,72 @@ class WireCodec:
         if type(header) is not dict:
             self._reject("header_parse", None)
             return None
-        return self._check_header(header, payload)
+        return self._check_header(header, payload, session)
 
-    def _check_header(self, header: dict[str, Any], payload: memoryview) -> Packet | None:
+    def _open(
+        self, head: memoryview, payload: memoryview, mac: memoryview, local: bool
+    ) -> Session | bool | None:
+        """Authenticate: the sender's session, True for a valid introduction, or None
+        (rejected and counted)."""
+        size, sig = len(mac), self._sig
+        if size < FINGERPRINT_BYTES:
+            self._reject("mac_size", None)
+            self._note_suspect("mac_size", head, False)
+            return None
+        kid = bytes(mac[-FINGERPRINT_BYTES:])
+        if kid == self._fingerprint:  # an introduction, under the run key: never a token
+            if size != sig + FINGERPRINT_BYTES:
+                self._reject("mac_size", None)
+                self._note_suspect("mac_size", head, True)
+                return None
+            if not self._signer.verify(head, payload, mac[:sig]):
+                self._reject("mac", None)
+                self._note_suspect("mac", head, True)
+                return None
+            return True
+        session = self.keys.by_kid.get(kid)
+        if session is None:  # another secret, or a member whose introduction we lack
+            if kid == self._kid:
+                self._reject("own_packet", self.src)  # reflected back to us
+                return None
+            self._reject("unknown_key", None)
+            self._note_suspect("mac", head, False)
+            return None
+        one = size == sig + FINGERPRINT_BYTES
+        tag = mac[:sig] if one else tag_in(mac, sig, self._dest.own)
+        if tag is None:
+            self._reject("mac_size", session.peer_id)
+            return None
+        # a sender that did not know the channel is local signed it: that is fine too
+        ok = (local and hmac.compare_digest(tag, session.token_in)) or session.recv.verify(
+            head, payload, tag
+        )
+        if not ok:
+            self._reject("mac", session.peer_id)
+            self._note_suspect("mac", head, True)
+            return None
+        return session
+
+    def _check_sender(self, src: str, epoch: int, kind: int, session: Session | bool) -> bool:
+        """The authenticated key is ``src``'s of incarnation ``epoch``; an introduction
+        is of an introduction kind.  False: rejected (counted)."""
+        if session is True:
+            if kind not in self.intro_kinds:
+                self._reject("not_member", None)
+                return False
+            return True
+        assert isinstance(session, Session)
+        if src != session.peer_id:
+            self._reject("impersonation", session.peer_id)
+            return False
+        if epoch != session.epoch:
+            self._reject("epoch_mismatch", src)
+            return False
+        return True
+
+    def _check_header(
+        self, header: dict[str, Any], payload: memoryview, session: Session | bool
+    ) -> Packet | None:
         """Semantic checks on an authenticated header, then the replay guard."""
         version = header.pop("v", None)
         if type(version) is not int or version != VERSION:
@@ -440,6 +587,8 @@ class WireCodec:
         if src == self.src:
             self._reject("own_packet", src)  # reflected back to us: never ours to take
             return None
+        if not self._check_sender(src, epoch, kind, session):
+            return None
         to = header.pop("@", None)
         if to is not None and not self._dest.for_us(to):
             self._reject("destination", src)
@@ -453,20 +602,28 @@ class WireCodec:
             if not _uint(count) or count * itemsize != len(payload):
                 self._reject("count", src)
                 return None
+        if session is True:  # anyone may repeat an introduction: it moves no window
+            self.accepted += 1
+            return Packet(src, epoch, seq, kind, header, payload, False, False)
         reason = self._replay_check(src, epoch, seq)
         if reason:
             self._reject(reason, src)
             return None
         self.accepted += 1
-        return Packet(src, epoch, seq, kind, header, payload, to is not None, reason is None)
+        return Packet(src, epoch, seq, kind, header, payload, True, reason is None)
 
-    def _check_fixed(self, head: memoryview, payload: memoryview) -> Packet | None:
+    def _check_fixed(
+        self, head: memoryview, payload: memoryview, session: Session | bool
+    ) -> Packet | None:
         """:meth:`_check_header`'s checks, in its order, on a fixed data header.
 
         Field widths do what the msgpack path's type checks do (a round id is a
         u64, a chunk a u32); what widths cannot bound (epoch and seq within int64,
         a non-empty UTF-8 sender, the lengths adding up) is checked here.
         """
+        if session is True:  # a data header is never an introduction
+            self._reject("not_member", None)
+            return None
         size = _fixed.FIXED.size
         if len(head) < size:
             self._reject("header_parse", None)
@@ -493,6 +650,8 @@ class WireCodec:
         if src == self.src:
             self._reject("own_packet", src)
             return None
+        if not self._check_sender(src, epoch, kind, session):
+            return None
         directed = bool(flags & _fixed.HAS_DST)
         if directed:
             to = bytes(head[size + src_len :])
@@ -512,8 +671,10 @@ class WireCodec:
             return None
         self.accepted += 1
         fields = _fixed.fields_of(mode, code, r, lay, b, c, n, flags, w, x, z)
-        pkt = Packet(src, epoch, seq, kind, fields, payload, directed, reason is None)
-        self._fast.learn(head, pkt)  # this sender's next packets take the fast path
+        pkt = Packet(src, epoch, seq, kind, fields, payload, True, reason is None)
+        if directed:
+            assert isinstance(session, Session)
+            self._fast.learn(head, pkt, session)  # this sender's next packets: the fast path
         return pkt
 
     def _src_name(self, raw: bytes) -> str:

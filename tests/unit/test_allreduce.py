@@ -751,12 +751,14 @@ def test_forged_packets_are_rejected_before_they_touch_a_buffer(
             forger = WireCodec(b"not-the-secret", cfg, "p1")
             huge = torch.full((CHUNK_BYTES // 4,), 1e30).numpy().tobytes()
             fields = chunk_fields(0, own.index("p0"))
-            assert rogue.send("mem://p0", forger.encode(LossyKind.RS_DATA, fields, huge))
+            assert rogue.send(
+                "mem://p0", forger.encode(LossyKind.RS_DATA, fields, huge, dst="p0")
+            )
             gen = torch.Generator().manual_seed(7)
             inputs = [[torch.randn(NUMEL, generator=gen)] for _ in range(N)]
             mean = torch.stack([x[0].double() for x in inputs]).mean(0)
             await allreduce(drive, clock, engines, inputs)
-            assert nodes[0].codec.rejects["mac"] == 1
+            assert nodes[0].codec.rejects["unknown_key"] == 1  # no key of it is bound
             for x in inputs:
                 torch.testing.assert_close(x[0].double(), mean, rtol=1e-6, atol=1e-6)
             await rogue.close()

@@ -1,10 +1,11 @@
-"""Issue 19, part 3: one packet (or a replay) must not break a peer.
+"""One packet (or a replay) from an insider or an on-path attacker must not break a peer.
 
-Each test plays one finding of the issue against nodes on a MemoryNetwork under a
-FakeClock.  Forged packets are built from the format's definition (as
-``test_wire.py`` does) and signed with the cluster's secret: the attacker holds
-the run key, or the run has no secret.  A captured packet is replayed by handing
-its bytes to a node's receive path, as an on-path attacker without the key would.
+Each test plays one attack against nodes on a MemoryNetwork under a FakeClock.
+Forged packets are built from the format's definition (as ``test_wire.py`` does)
+and signed by "mallory", a member holding the run secret and its own key pair,
+bound at the victim as an introduction would bind it (:class:`Mallory`): what any
+key holder can send.  A captured packet is replayed by handing its bytes to a
+node's receive path, as an on-path attacker without the key would.
 """
 
 from __future__ import annotations
@@ -44,19 +45,51 @@ def tag(peer_id: str) -> bytes:
     ).digest()
 
 
-def forge(
-    src: str, kind: int, fields: dict[str, Any], *, epoch: int, seq: int, to: str | None
-) -> list[memoryview]:
-    """A validly signed packet with any header we like (AES-GMAC, the default MAC)."""
-    head: dict[str, Any] = {"v": 2, "run": "gossipnet", "src": src, "e": epoch, "q": seq}
-    head.update(k=int(kind), **fields)
-    if to is not None:
-        head["@"] = tag(to)
+class Mallory:
+    """A member with the secret and its own key, bound at ``victim`` (both ways).
+
+    :meth:`forge` signs any header it likes under the pair key mallory -> victim:
+    the victim authenticates it as mallory's, whatever the header claims.
+    """
+
+    def __init__(self, victim: Any, name: str = "mallory") -> None:
+        self.codec = WireCodec(SECRET, victim.config, name, clock=FakeClock())
+        self.name, self.epoch = name, self.codec.epoch
+        victim.codec.bind(name, self.epoch, self.codec.identity.public)
+        self.codec.bind(victim.peer_id, victim.codec.epoch, victim.codec.identity.public)
+        self.session = self.codec.keys.by_id[victim.peer_id]
+
+    def forge(
+        self,
+        kind: int,
+        fields: dict[str, Any],
+        *,
+        src: str | None = None,
+        epoch: int | None = None,
+        seq: int = 0,
+        to: str | None = None,
+        payload: bytes = b"",
+    ) -> list[memoryview]:
+        """A packet signed under mallory's pair key with any header we like."""
+        head: dict[str, Any] = {
+            "v": 3, "run": "gossipnet", "src": src or self.name,
+            "e": self.epoch if epoch is None else epoch, "q": seq,
+        }  # fmt: skip
+        head.update(k=int(kind), **fields)
+        if to is not None:
+            head["@"] = tag(to)
+        raw = msgpack.packb(head)
+        mac = self.session.send.sign(raw, payload) + self.codec.identity.key_id
+        return [memoryview(raw), memoryview(payload), memoryview(mac)]
+
+
+def intro(head: dict[str, Any], payload: bytes = b"") -> list[memoryview]:
+    """A packet signed with the run key (an introduction's signature), any header."""
     raw = msgpack.packb(head)
     nonce = os.urandom(12)
-    mac = AESGCM(run_key()).encrypt(nonce, b"", len(raw).to_bytes(4, "big") + raw)
+    mac = AESGCM(run_key()).encrypt(nonce, b"", len(raw).to_bytes(4, "big") + raw + payload)
     fp = hashlib.blake2b(b"fingerprint", key=run_key(), digest_size=8).digest()
-    return [memoryview(raw), memoryview(b""), memoryview(mac + nonce + fp)]
+    return [memoryview(raw), memoryview(payload), memoryview(mac + nonce + fp)]
 
 
 def tap(node: Any) -> list[tuple[str, list[bytes]]]:
@@ -91,7 +124,7 @@ def test_huge_beacon_neither_reaches_engines_nor_kills_the_heartbeat(
             heard: list[dict[str, Any]] = []
             b.on_heartbeat(lambda pkt: heard.append(dict(pkt.fields)))
             forged = {"addr": "mem://mallory", "ar": 2**64 - 1}
-            b._on_frames(forge("mallory", NodeKind.HEARTBEAT, forged, epoch=1, seq=0, to="p1"))
+            b._on_frames(Mallory(b).forge(NodeKind.HEARTBEAT, forged, to="p1"))
             assert b.codec.rejects["beacon_range"] == 1
             assert all(f.get("ar", 0) < 2**62 for f in heard)
             a.beacon["ar"] = 2**64  # what an engine that took the forged round would set
@@ -111,19 +144,23 @@ def test_epoch_from_the_future_cannot_lock_a_peer_out(
     run_async: Callable[..., Any], cluster: Any, drive: Any
 ) -> None:
     """A heartbeat claiming p0's id with epoch 2**63 made p1 drop p0 as stale_epoch
-    and declare it dead: now an epoch further ahead than Config.max_clock_skew_s is
-    rejected (``future_epoch``) and one past int64 is malformed."""
+    and declare it dead: a member cannot speak as p0 (``impersonation``), and its
+    own packets carry its own incarnation only (``epoch_mismatch``); an epoch past
+    int64 is malformed."""
 
     async def main() -> None:
         clock = FakeClock()
         async with cluster(2, config=Config(**NET), clock=clock) as (a, b):
+            mallory = Mallory(b)
             for epoch in (2**63 - 1, 2**63, time.time_ns() + 3_600 * 10**9):
-                beat = forge(
-                    "p0", NodeKind.HEARTBEAT, {"addr": a.address}, epoch=epoch, seq=0, to="p1"
-                )
-                b._on_frames(beat)
-            assert b.codec.rejects["future_epoch"] == 2
-            assert b.codec.rejects["header_fields"] == 1
+                for src in ("p0", "mallory"):
+                    beat = mallory.forge(
+                        NodeKind.HEARTBEAT, {"addr": a.address}, src=src, epoch=epoch, to="p1"
+                    )
+                    b._on_frames(beat)
+            assert b.codec.rejects["impersonation"] == 2
+            assert b.codec.rejects["epoch_mismatch"] == 2
+            assert b.codec.rejects["header_fields"] == 2
             await drive(clock, clock.sleep(5 * a.config.failure_timeout_s))
             assert b.membership.is_alive("p0")
             assert b.codec.rejects["stale_epoch"] == 0
@@ -137,8 +174,9 @@ def test_replayed_packets_of_a_killed_peer_do_not_keep_it_alive(
     run_async: Callable[..., Any], cluster: Any, drive: Any, wait_until: Any
 ) -> None:
     """An on-path attacker without the key replays p0's packets after p0 is killed:
-    those it sent to p1 are not p2's (``destination``), and those to p2 it withheld
-    arrive late, behind newer ones (not fresh): none refreshes p0's liveness."""
+    those it sent to p1 carry no tag under p0's key for p2 (``mac``), and those to p2
+    it withheld arrive late, behind newer ones (not fresh): none refreshes p0's
+    liveness."""
 
     async def main() -> None:
         clock = FakeClock()
@@ -164,7 +202,7 @@ def test_replayed_packets_of_a_killed_peer_do_not_keep_it_alive(
                 replay(c, frames)
                 await drive(clock, clock.sleep(0.1))
             assert not c.membership.is_alive("p0"), "replays kept a killed peer alive"
-            assert c.codec.rejects["destination"] >= 12
+            assert c.codec.rejects["mac"] >= 12
 
     run_async(main())
 
@@ -297,25 +335,34 @@ _VALUE = st.one_of(
     st.lists(_INT, max_size=3),
 )  # fmt: skip
 _IDS = st.sampled_from(["rx", "x", "y", ""])
+_EPOCHS = st.one_of(_VALUE, st.just("same"))  # "same": the signer's own incarnation
 
 
 @settings(derandomize=True, database=None, deadline=None, max_examples=300,
           suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
 @given(
     src=st.one_of(_IDS, _VALUE),
-    epoch=_VALUE,
+    epoch=_EPOCHS,
     seq=_VALUE,
-    kind=_VALUE,
+    kind=st.one_of(_VALUE, st.just(1)),
     to=st.one_of(st.none(), _IDS, st.lists(_IDS, max_size=3), _VALUE),
     extra=st.dictionaries(st.sampled_from(["dt", "n", "r", "ar", "rq"]), _VALUE, max_size=3),
+    pairwise=st.booleans(),
 )
 def test_decoder_fuzz_authenticated_headers_stay_in_range(
-    src: Any, epoch: Any, seq: Any, kind: Any, to: Any, extra: dict[str, Any]
+    src: Any, epoch: Any, seq: Any, kind: Any, to: Any, extra: dict[str, Any], pairwise: bool
 ) -> None:
-    """Any header a key holder can sign: decode never raises, and what it accepts
-    has every codec-owned field typed and in range, is for us, and is not ours."""
-    rx = WireCodec(SECRET, Config(), "rx", clock=FakeClock())
-    head: dict[str, Any] = {"v": 2, "run": "gossipnet", "src": src, "e": epoch, "q": seq}
+    """Any header a key holder can sign, under its pair key or as an introduction:
+    decode never raises, and what it accepts has every codec-owned field typed and
+    in range, is not ours, comes under the key of the id it names (pairwise) or is
+    an introduction kind (run key), and only a pairwise packet is directed."""
+    rx = WireCodec(SECRET, Config(), "rx", clock=FakeClock(), intro_kinds=frozenset({1}))
+    x = WireCodec(SECRET, Config(), "x", clock=FakeClock())
+    rx.bind("x", x.epoch, x.identity.public)
+    x.bind("rx", rx.epoch, rx.identity.public)
+    if epoch == "same":
+        epoch = x.epoch
+    head: dict[str, Any] = {"v": 3, "run": "gossipnet", "src": src, "e": epoch, "q": seq}
     head.update(k=kind, **extra)
     if isinstance(to, str):
         head["@"] = tag(to)
@@ -324,10 +371,10 @@ def test_decoder_fuzz_authenticated_headers_stay_in_range(
     elif to is not None:
         head["@"] = to
     raw = msgpack.packb(head)
-    nonce = os.urandom(12)
-    mac = AESGCM(run_key()).encrypt(nonce, b"", len(raw).to_bytes(4, "big") + raw)
-    fp = hashlib.blake2b(b"fingerprint", key=run_key(), digest_size=8).digest()
-    frames = [raw, b"", mac + nonce + fp]
+    if pairwise:
+        frames = [raw, b"", x.keys.by_id["rx"].send.sign(raw, b"") + x.identity.key_id]
+    else:
+        frames = [bytes(f) for f in intro(head)]
     pkt = rx.decode(frames)
     assert "internal" not in rx.rejects
     if pkt is None:
@@ -342,9 +389,13 @@ def test_decoder_fuzz_authenticated_headers_stay_in_range(
     assert 0 <= pkt.kind <= 0xFFFF
     assert isinstance(pkt.src, str)
     assert pkt.src not in ("", "rx")
-    assert not pkt.directed or isinstance(to, str | list)
-    assert pkt.directed == ("@" in head)
-    assert rx.decode(frames) is None  # and never twice
+    assert pkt.directed == pairwise
+    if pairwise:
+        assert (pkt.src, pkt.epoch) == ("x", x.epoch)
+        assert rx.decode(frames) is None  # and never twice
+    else:
+        assert pkt.kind == 1
+        assert not pkt.fresh
 
 
 @pytest.mark.timeout(30)
@@ -412,19 +463,19 @@ def test_membership_fuzz_no_forged_control_packet_breaks_the_node(
                     b.beacon["ar"] = max(b.beacon.get("ar", 0), ar + 1)
 
             b.on_heartbeat(adopt)
+            mallory = Mallory(b)
             for i in range(500):
                 fields = {k: rng.choice(values) for k in rng.sample(keys, rng.randrange(4))}
                 src = rng.choice(["mallory", "p0", "zed"])
                 to = rng.choice(["p1", None])
-                frames = forge(src, rng.choice(kinds), fields, epoch=7 + i, seq=0, to=to)
-                frames[1] = memoryview(view() if rng.random() < 0.5 else rng.randbytes(9))
-                head = msgpack.unpackb(frames[0])  # re-sign with the payload
-                raw = msgpack.packb(head)
-                nonce = os.urandom(12)
-                msg = len(raw).to_bytes(4, "big") + raw + bytes(frames[1])
-                mac = AESGCM(run_key()).encrypt(nonce, b"", msg)
-                fp = hashlib.blake2b(b"fingerprint", key=run_key(), digest_size=8).digest()
-                b._on_frames([memoryview(raw), frames[1], memoryview(mac + nonce + fp)])
+                body = view() if rng.random() < 0.5 else rng.randbytes(9)
+                kind = rng.choice(kinds)
+                if rng.random() < 0.5:  # under mallory's own key
+                    frames = mallory.forge(kind, fields, src=src, seq=i, to=to, payload=body)
+                else:  # as an introduction, under any name
+                    head = {"v": 3, "run": "gossipnet", "src": src, "e": 7 + i, "q": 0, "k": kind}
+                    frames = intro({**head, **fields}, body)
+                b._on_frames(frames)
                 if i % 50 == 0:
                     await drive(clock, clock.sleep(0.05))
             await drive(clock, clock.sleep(3 * a.config.failure_timeout_s))

@@ -19,6 +19,7 @@ import torch
 
 from gossipnet import Config, FakeClock, FaultPlan
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
+from gossipnet.runtime.kinds import NodeKind
 from gossipnet.runtime.node import Node
 from gossipnet.testing.cluster import cluster
 
@@ -128,9 +129,9 @@ def test_runs_keep_arrival_order_across_handlers(run_async: Any, fast_config: Co
                 else:
                     frames = [memoryview(bytes(f)) for f in tx.encode_for(["p0"], kind, {"i": i})]
                 batch.append(frames)
-            before = rx.codec.rejects["mac"]
+            before = rx.codec.rejects["unknown_key"]
             rx.io.on_batch(batch)
-            assert rx.codec.rejects["mac"] == before + 1
+            assert rx.codec.rejects["unknown_key"] == before + 1
             assert calls == [("B", [0, 1]), ("A", 2), ("B", [3, 5])]
             calls.clear()
             frames = [memoryview(bytes(f)) for f in tx.encode_for(["p0"], 902, {"i": 9})]
@@ -142,9 +143,9 @@ def test_runs_keep_arrival_order_across_handlers(run_async: Any, fast_config: Co
 
 def test_a_drain_refreshes_each_senders_liveness_once(run_async: Any, fast_config: Config) -> None:
     """Per drain, a sender's data packets refresh its liveness once (same time, no
-    address); a packet with an address, or one after a control packet (which may
-    change the membership), refreshes it again; per-packet delivery still does
-    each time."""
+    address); one after a control packet (which may change the membership)
+    refreshes it again, a node-control packet's address moves it, a data packet's
+    ``addr`` field moves nothing; per-packet delivery still refreshes each time."""
     from gossipnet.testing import MemoryNetwork
 
     async def main() -> list[tuple[str, str | None]]:
@@ -173,8 +174,11 @@ def test_a_drain_refreshes_each_senders_liveness_once(run_async: Any, fast_confi
                 [frames(902, {"i": 1}), frames(902, addr), frames(901, {"i": 2}),
                  frames(902, {"i": 3}), frames(902, {"i": 4})]
             )  # fmt: skip
-            # i=1; the address; (the control packet: refreshed already); i=3 after it
-            assert heard == [("p1", None), ("p1", "mem://p1"), ("p1", None)]
+            # i=1; (a data packet's addr: ignored); (the control packet); i=3 after it
+            assert heard == [("p1", None), ("p1", None)]
+            heard.clear()
+            rx.io.on_batch([frames(902, {"i": 5}), frames(NodeKind.HEARTBEAT, {"addr": "mem://p1"})])
+            assert heard == [("p1", None), ("p1", "mem://p1")]
             heard.clear()
             for i in range(3):
                 rx.io.on_frames(frames(902, {"i": i}))

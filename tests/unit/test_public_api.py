@@ -106,6 +106,7 @@ def test_testing_kit_names_are_pinned() -> None:
         "cluster",
         "drive",
         "free_tcp_ports",
+        "introduce",
         "loopback_addresses",
         "new_event_loop",
         "radio_faults",

@@ -15,7 +15,7 @@ wake-up: the receiver's loop.
 Records on the stream, one per packet: ``<HHI`` (magic, frame count, body
 length), the frame lengths (``<I`` each), then the frames' bytes.  The stream
 only frames packets: each is still a whole wire packet, checked alone by
-:class:`~gossipnet.transport.wire.WireCodec` (fingerprint, replay window,
+:class:`~gossipnet.transport.wire.WireCodec` (local token, replay window,
 header).  A record that cannot be parsed (bad magic, no or too many frames, a
 body above the packet limit, lengths that do not add up) or a stream cut
 mid-record is counted (``dropped_malformed``) and closes that connection: a
