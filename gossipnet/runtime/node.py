@@ -178,6 +178,23 @@ class Node:
         if self.transport is not None:
             await self.transport.close()
 
+    def pin(self, peer_id: str, epoch: int, public: bytes, address: str) -> None:
+        """Bind ``peer_id`` to ``public`` for good, on a launcher's word (a store the
+        ranks share, as the torch backend's): no introduction can rebind it, and an
+        introduction that bound another key to that id first is overridden.
+
+        Raises:
+            ValueError: an unusable public key, our own key or our own id.
+        """
+        self.codec.bind(peer_id, epoch, public, pinned=True)
+        if self.membership is not None:
+            self.membership.bound(peer_id, epoch, address, self.clock.now())
+
+    @property
+    def identity(self) -> tuple[int, bytes]:
+        """Our incarnation and public key: what a launcher publishes for :meth:`pin`."""
+        return self.codec.epoch, self.codec.identity.public
+
     @property
     def bootstrap(self) -> list[str]:
         """Bootstrap addresses other than our own."""

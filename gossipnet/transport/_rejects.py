@@ -27,7 +27,9 @@ log = logging.getLogger("gossipnet.transport.wire")
 # misconfiguration or an attack and is a WARNING.
 # A "destination" drop is routine too: a peer restarted on the same address under a
 # new id receives the packets still addressed to its previous life.
-_ROUTINE_REASONS = frozenset({"replay", "stale_epoch", "destination"})
+# An "unknown_key" drop is routine too: a member's packets that overtake its
+# introduction, or late ones of a peer whose keys were just released.
+_ROUTINE_REASONS = frozenset({"replay", "stale_epoch", "destination", "unknown_key"})
 #: Senders of unauthenticated packets remembered for diagnostics.
 _SUSPECTS_MAX = 8
 #: At most one unauthenticated header is parsed per this many seconds: a flood of
@@ -104,12 +106,16 @@ class RejectLog:
         msg = "peer %s: dropped %d packet(s) for %s since the last report (latest from %s)"
         log.log(level, msg, self.me, count, reason, who)
 
-    def note_suspect(self, reason: str, head: memoryview, same_key: bool) -> None:
+    def note_suspect(
+        self, reason: str, head: memoryview, same_key: bool, kinds: frozenset[int] | None = None
+    ) -> None:
         """Remember what an unauthenticated packet claims about its sender (bounded).
 
         Parsed with the same size limits as any header, at most once per
         ``_SUSPECT_PARSE_INTERVAL_S``; only strings are kept, cut short.  The
-        result is never used for anything but diagnostics.
+        result is never used for anything but diagnostics.  ``kinds``: keep it only
+        if it claims one of these kinds (an unknown key's packet is a suspect only
+        as an introduction: anything else may be a member's that overtook its own).
         """
         now = self.clock.now()
         last = self._parsed_at
@@ -121,6 +127,8 @@ class RejectLog:
         except Exception:
             header = None
         claims = header if type(header) is dict else {}
+        if kinds is not None and claims.get("k") not in kinds:
+            return
 
         def claim(key: str) -> str | None:
             value = claims.get(key)

@@ -529,7 +529,7 @@ class WireCodec:
                 self._reject("own_packet", self.src)  # reflected back to us
                 return None
             self._reject("unknown_key", None)
-            self._note_suspect("mac", head, False)
+            self._note_suspect("mac", head, False, self.intro_kinds)
             return None
         one = size == sig + FINGERPRINT_BYTES
         tag = mac[:sig] if one else tag_in(mac, sig, self._dest.own)
