@@ -8,7 +8,6 @@ the ones it changes.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -16,7 +15,7 @@ import torch
 
 from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.parity import MAX_GROUP
-from gossipnet.collectives.lossy.reducer import OwnedShard
+from gossipnet.collectives.lossy.reducer import MAX_WEIGHT, OwnedShard, valid_weight
 from gossipnet.collectives.lossy.round_id import valid_mode, valid_round
 from gossipnet.collectives.lossy.stale_step import StaleStep
 
@@ -34,8 +33,9 @@ class RoundOptions:
     Attributes:
         dst: where the gathered values go (default: the round's ``src``); chunks
             whose broadcast was lost keep the values ``dst`` already holds.
-        weight: this peer's weight (e.g. micro-batches done), finite and >= 0.  A
-            chunk whose arrived weights sum to 0 keeps this peer's own values.
+        weight: this peer's weight (e.g. micro-batches done), in ``[0, 2**24]``
+            (:data:`.reducer.MAX_WEIGHT`: every peer refuses a contribution weighted
+            more).  A chunk whose arrived weights sum to 0 keeps this peer's own values.
         timeout_s: bound of the whole round (default ``Config.collective_timeout_s``).
         on_reduced: maps the averaged owned shards to the values to broadcast
             (default: the averages themselves).
@@ -86,8 +86,8 @@ class RoundOptions:
         pg = self.parity_group
         if pg is not None and not (isinstance(pg, int) and 0 <= pg <= MAX_GROUP):
             raise ValueError(f"parity_group must be an int in [0, {MAX_GROUP}], got {pg}")
-        if not 0 <= self.weight < math.inf:  # NaN fails both
-            raise ValueError(f"weight must be a finite number >= 0, got {self.weight}")
+        if not valid_weight(self.weight):  # NaN fails too
+            raise ValueError(f"weight must be a number in [0, {MAX_WEIGHT:.0f}], got {self.weight}")
         if not valid_mode(self.mode):
             raise ValueError(f"mode must be an int in [0, 255], got {self.mode!r}")
         if self.compress is not None and self.repair:
