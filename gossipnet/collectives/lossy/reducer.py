@@ -74,8 +74,8 @@ def _norms_ok(block: torch.Tensor, acc_dtype: torch.dtype) -> list[bool]:
     its computation (values past ~2**64 in float32), which is past the limit anyway."""
     if not block.is_floating_point():
         return [True] * block.shape[0]  # integers are finite and far below the limit
-    dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
-    norms = torch.linalg.vector_norm(block, dim=1, dtype=dtype)
+    wide = block.dtype in (torch.float32, torch.float64)  # half: computed in float32
+    norms = torch.linalg.vector_norm(block, dim=1, dtype=None if wide else torch.float32)
     return (norms <= VALUE_LIMIT[acc_dtype]).tolist()
 
 
@@ -83,8 +83,9 @@ def _norm_ok(values: torch.Tensor, acc_dtype: torch.dtype) -> bool:
     """:func:`_norms_ok` for one part's values (as few dispatches as a sum)."""
     if not values.is_floating_point():
         return True
-    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
-    return float(torch.linalg.vector_norm(values, dtype=dtype)) <= VALUE_LIMIT[acc_dtype]
+    wide = values.dtype in (torch.float32, torch.float64)
+    norm = torch.linalg.vector_norm(values, dtype=None if wide else torch.float32)
+    return float(norm) <= VALUE_LIMIT[acc_dtype]
 
 
 def _refusal(values: torch.Tensor) -> str:
