@@ -5,9 +5,12 @@ half, run from the transport's receive path.  A packet of the open round goes to
 its phase (:mod:`.scatter`, :mod:`.gather`), a drain's data chunks in runs
 (batched intake), a packet of a later round waits in a bounded buffer, an older
 one is counted late (and teaches the reorder window how late), heartbeats and
-ENDs carry the peers' round numbers and loss flags.  :class:`Intake` is a mixin
-of :class:`~.engine.LossyAllReduce`: it reads and moves the engine's state
-(declared below), so the two stay one object on the loop thread.
+ENDs carry the peers' round numbers and loss flags.  A round id from a peer is
+its claim (:mod:`.claims`): one past our window is counted (``round_jump``) and
+kept clamped, and a data packet that far ahead is dropped, never buffered.
+:class:`Intake` is a mixin of :class:`~.engine.LossyAllReduce`: it reads and
+moves the engine's state (declared below), so the two stay one object on the
+loop thread.
 """
 
 from __future__ import annotations
