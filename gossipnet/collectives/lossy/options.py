@@ -55,7 +55,8 @@ class RoundOptions:
             (default ``Config.parity_for(optimizer=False)``); 0 for none.
         round_id: what this round is, the same on every peer (the optimizer's:
             :func:`.round_id.optimizer_round`), in [0, 2**53); above every id run
-            before.  Default: the next call, caught up to the highest round announced.
+            before.  Default: the next call, caught up to the round a quorum of recent
+            participants claims (:mod:`.claims`).
         compress: the round's compressor (:class:`.compressed.ChunkCodec`, e.g. a
             :class:`gossipnet.collectives.compress.CompressSession`); None: dense.
             No parity and no repair with it (parity XORs dense payloads).
