@@ -1,4 +1,5 @@
-"""Issue 37, findings 4 and 5: what one member's packets may do to round ids and sums.
+"""Issue 37, findings 4 and 5: what one member's packets may do to round ids and sums;
+and the owner's optional robust aggregation (centered clipping).
 
 A member holds its own key, so its packets are authenticated as its own; these tests
 send them with its node (``Node.send``), as its own software would, with values no
@@ -29,12 +30,14 @@ from gossipnet.collectives.lossy.claims import PARTICIPANT_ROUNDS, ROUND_WINDOW,
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.reducer import MAX_WEIGHT, ShardReducer
+from gossipnet.collectives.lossy.robust import CenteredClip, ClippingReducer, centered_clip
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.round_id import MAX_ROUND, layout_of
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.transport.wire import Packet
 
 CHUNK_BYTES = 1024
+IDS3 = ("p0", "p1", "p2")
 NUMEL = 4096  # 16 float32 chunks of 256
 #: Each test runs a handful of rounds of at most 2 s of virtual time: 30 s bounds a hang.
 pytestmark = pytest.mark.timeout(30)
@@ -350,3 +353,97 @@ def test_int8_rounds_stay_finite_when_an_owner_broadcasts_a_huge_scale(
                 assert e.dropped["compressed_scale"] == 1
 
     run_async(main())
+
+
+# ---------------------------------------------------------------------- robust mode
+def test_centered_clip_is_the_mean_within_tau_and_bounds_one_garbage_peer() -> None:
+    gen = torch.Generator().manual_seed(42)
+    signal = torch.randn(16, 256, generator=gen)
+    x = signal + 0.1 * torch.randn(8, 16, 256, generator=gen)
+    w = torch.ones(8, 16, dtype=torch.float64)
+    honest = x.mean(0)
+    # every contribution within the radius: one iteration is the mean
+    torch.testing.assert_close(centered_clip(x, w, tau=10.0, iters=1), honest)
+    bad = x.clone()
+    bad[7] = x[7] * 1e3  # one peer sends its gradient times 1000
+    mean_err = (bad.mean(0) - honest).norm() / honest.norm()
+    clip_err = (centered_clip(bad, w, tau=0.3, iters=3) - x[:7].mean(0)).norm() / honest.norm()
+    assert float(mean_err) > 50
+    assert float(clip_err) < 0.1
+    # a sender whose chunk did not arrive (weight 0) takes no part
+    w[7, :] = 0
+    torch.testing.assert_close(centered_clip(bad, w, tau=10.0, iters=1), x[:7].mean(0))
+    with pytest.raises(ValueError, match="tau"):
+        CenteredClip(tau=0.0)
+    with pytest.raises(ValueError, match="iters"):
+        CenteredClip(tau=1.0, iters=0)
+
+
+def test_robust_rounds_keep_one_garbage_peer_from_moving_the_mean(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
+) -> None:
+    """Four peers, p3 sends its values times 1000.  Plain rounds follow it (each
+    replica moves by about 250 times p3's values); with centered clipping every
+    peer holds the same result, within about tau of the mean of the three others,
+    and with no attacker and a radius above the honest spread it is the plain mean."""
+
+    async def main() -> None:
+        clock = FakeClock()
+        async with cluster(4, config=cfg, clock=clock) as nodes:
+            engines = [LossyAllReduce(n) for n in nodes]
+            gen = torch.Generator().manual_seed(43)
+            signal = torch.randn(NUMEL, generator=gen)
+
+            async def round_(robust: CenteredClip | None, garbage: bool) -> tuple[Any, Any]:
+                xs = [signal + 0.1 * torch.randn(NUMEL, generator=gen) for _ in range(4)]
+                honest = torch.stack(xs[:3]).mean(0) if garbage else torch.stack(xs).mean(0)
+                if garbage:
+                    xs[3] = xs[3] * 1e3
+                runs = [
+                    e.run([x], RoundOptions(timeout_s=2.0, robust=robust))
+                    for e, x in zip(engines, xs, strict=True)
+                ]
+                reports = await drive(clock, asyncio.gather(*runs), timeout_s=10)
+                assert all(r.ok for r in reports)
+                errs = [float((x - honest).norm() / honest.norm()) for x in xs[:3]]
+                return max(errs), xs
+
+            plain_err, _ = await round_(None, garbage=True)
+            clip = CenteredClip(tau=0.3, iters=3)
+            clip_err, xs = await round_(clip, garbage=True)
+            assert plain_err > 50
+            # its fixed point: one peer of four holds v about tau / 3 (RMS) from the
+            # others' mean, whatever it sends (the signal's RMS is about 1)
+            assert clip_err < 1.5 * clip.tau / 3
+            assert all(torch.equal(x, xs[0]) for x in xs[:3])  # one result everywhere
+            quiet_err, _ = await round_(CenteredClip(tau=10.0, iters=1), garbage=False)
+            assert quiet_err < 1e-5
+
+    run_async(main())
+
+
+def test_clipping_reducer_takes_parts_alone_or_in_batches_alike() -> None:
+    gen = torch.Generator().manual_seed(44)
+    own = torch.randn(1000, generator=gen)  # 4 chunks of 256, the last of 232
+    others = {p: torch.randn(1000, generator=gen) for p in ("p1", "p2")}
+    rule = CenteredClip(tau=0.5, iters=2)
+
+    def reducer() -> ClippingReducer:
+        return ClippingReducer(own.clone(), range(4, 8), 256, 2.0, rule, IDS3, "p0")
+
+    parts = [
+        (p, 4 + c, others[p][c * 256 : (c + 1) * 256], 1.0) for p in ("p1", "p2") for c in range(4)
+    ]
+    parts = [p for p in parts if (p[0], p[1]) != ("p2", 5)]  # one part lost
+    one, batch = reducer(), reducer()
+    assert [one.accumulate(*p) for p in parts] == [None] * 7
+    assert batch.accumulate_batch(parts) == [None] * 7
+    assert one.accumulate("p9", 4, torch.ones(256), 1.0) == "not_participant"
+    assert batch.accumulate("p1", 4, torch.ones(256), 1.0) == "duplicate"
+    a, b = one.average(own), batch.average(own)
+    assert torch.equal(a, b)
+    assert bool(torch.isfinite(a).all())
+    assert one.contributors.tolist() == [3, 2, 3, 3]
+    # a chunk no weight arrived for keeps our own values, as the mean does
+    lone = ClippingReducer(own.clone(), range(4, 8), 256, 0.0, rule, IDS3, "p0")
+    assert torch.equal(lone.average(own), own)

@@ -236,7 +236,7 @@ class LossyAllReduce(Intake):
         rnd = Round(
             r, node.peer_id, tuple(parts), src, dst, opts.weight,
             chunk_sizes(node, src, len(parts), opts.compress, opts.on_reduced is not None),
-            opts.mode, redundancy, self._pool, not opts.repair,
+            opts.mode, redundancy, self._pool, not opts.repair, robust=opts.robust,
         )  # fmt: skip
         if opts.compress is not None:  # before any packet of the round is taken in
             rnd.codec = opts.compress

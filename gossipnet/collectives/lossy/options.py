@@ -1,8 +1,8 @@
 """What one all-reduce round is asked to do: :class:`RoundOptions`.
 
-Why a value: a round has eleven knobs (where results go, our weight, its bound,
+Why a value: a round has thirteen knobs (where results go, our weight, its bound,
 a hook on the averages, the view, its mode and id, repair, copies, parity, stale
-steps); as one frozen value they are checked once, here, and a caller names only
+steps, compression, robust aggregation); as one frozen value they are checked once, here, and a caller names only
 the ones it changes.
 """
 
@@ -16,6 +16,7 @@ import torch
 from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.parity import MAX_GROUP
 from gossipnet.collectives.lossy.reducer import MAX_WEIGHT, OwnedShard, valid_weight
+from gossipnet.collectives.lossy.robust import CenteredClip
 from gossipnet.collectives.lossy.round_id import valid_mode, valid_round
 from gossipnet.collectives.lossy.stale_step import StaleStep
 
@@ -60,6 +61,10 @@ class RoundOptions:
         compress: the round's compressor (:class:`.compressed.ChunkCodec`, e.g. a
             :class:`gossipnet.collectives.compress.CompressSession`); None: dense.
             No parity and no repair with it (parity XORs dense payloads).
+        robust: how an owner aggregates its chunks: None, the weighted mean;
+            a :class:`.robust.CenteredClip`, centered clipping of the
+            contributions (bounds what one peer's values can do; keeps every
+            contribution in memory).  Not with ``compress``.
 
     Raises:
         ValueError: a value out of the ranges above.
@@ -77,6 +82,7 @@ class RoundOptions:
     parity_group: int | None = None
     round_id: int | None = None
     compress: ChunkCodec | None = None
+    robust: CenteredClip | None = None
 
     def __post_init__(self) -> None:
         if self.round_id is not None and not valid_round(self.round_id):
@@ -91,5 +97,11 @@ class RoundOptions:
             raise ValueError(f"weight must be a number in [0, {MAX_WEIGHT:.0f}], got {self.weight}")
         if not valid_mode(self.mode):
             raise ValueError(f"mode must be an int in [0, 255], got {self.mode!r}")
+        if self.robust is not None and not isinstance(self.robust, CenteredClip):
+            raise ValueError(f"robust must be a CenteredClip or None, got {self.robust!r}")
+        if self.compress is not None and self.robust is not None:
+            raise ValueError(
+                "a compressed round cannot clip (contributions enter the sums compressed)"
+            )
         if self.compress is not None and self.repair:
             raise ValueError("a compressed round cannot repair (repair serves dense bytes)")

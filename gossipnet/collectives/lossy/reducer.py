@@ -185,8 +185,7 @@ class ShardReducer:
         if reason is not None:
             return reason
         self._take(sender, chunk, weight)
-        lo = (chunk - self.chunks.start) * self.chunk_elems
-        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
+        self._add(sender, chunk - self.chunks.start, values, weight)
         return None
 
     def accumulate_batch(
@@ -283,10 +282,13 @@ class ShardReducer:
             if r is not None:
                 run.append((r, row))
                 run_w = weight
-            else:
-                values = cast(torch.Tensor, parts[i][2])  # not stacked: it has values
-                lo = row * step
-                acc[lo : lo + values.numel()].add_(values, alpha=weight)
+            else:  # not stacked: it has values
+                self._add(parts[i][0], row, cast(torch.Tensor, parts[i][2]), weight)
+
+    def _add(self, sender: str, row: int, values: torch.Tensor, weight: float) -> None:
+        """Add one accepted part, the shard's chunk ``row``, into the sums."""
+        lo = row * self.chunk_elems
+        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
 
     def _refuse(self, sender: str, chunk: int, numel: int, weight: float) -> str | None:
         """Why a part cannot be added, checked cheapest first; None if it can."""
