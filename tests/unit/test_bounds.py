@@ -383,9 +383,13 @@ def test_robust_rounds_keep_one_garbage_peer_from_moving_the_mean(
     run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config
 ) -> None:
     """Four peers, p3 sends its values times 1000.  Plain rounds follow it (each
-    replica moves by about 250 times p3's values); with centered clipping every
-    peer holds the same result, within about tau of the mean of the three others,
-    and with no attacker and a radius above the honest spread it is the plain mean."""
+    replica moves by about 250 times p3's values).  With centered clipping every
+    chunk an honest peer owns is within about tau of the mean of the three others,
+    the same on every peer; from the median, so is p3's own shard (its own software
+    clips its own input).  With no attacker and a radius above the honest spread,
+    the clipped round is the plain mean."""
+    own_of = owners(4)
+    honest_owned = torch.tensor([own_of[i // 256] != "p3" for i in range(NUMEL)])
 
     async def main() -> None:
         clock = FakeClock()
@@ -394,7 +398,9 @@ def test_robust_rounds_keep_one_garbage_peer_from_moving_the_mean(
             gen = torch.Generator().manual_seed(43)
             signal = torch.randn(NUMEL, generator=gen)
 
-            async def round_(robust: CenteredClip | None, garbage: bool) -> tuple[Any, Any]:
+            async def round_(
+                robust: CenteredClip | None, garbage: bool, where: torch.Tensor
+            ) -> tuple[float, list[torch.Tensor]]:
                 xs = [signal + 0.1 * torch.randn(NUMEL, generator=gen) for _ in range(4)]
                 honest = torch.stack(xs[:3]).mean(0) if garbage else torch.stack(xs).mean(0)
                 if garbage:
@@ -405,18 +411,23 @@ def test_robust_rounds_keep_one_garbage_peer_from_moving_the_mean(
                 ]
                 reports = await drive(clock, asyncio.gather(*runs), timeout_s=10)
                 assert all(r.ok for r in reports)
-                errs = [float((x - honest).norm() / honest.norm()) for x in xs[:3]]
+                h = honest[where]
+                errs = [float((x[where] - h).norm() / h.norm()) for x in xs[:3]]
                 return max(errs), xs
 
-            plain_err, _ = await round_(None, garbage=True)
-            clip = CenteredClip(tau=0.3, iters=3)
-            clip_err, xs = await round_(clip, garbage=True)
+            everywhere = torch.ones(NUMEL, dtype=torch.bool)
+            plain_err, _ = await round_(None, True, everywhere)
             assert plain_err > 50
-            # its fixed point: one peer of four holds v about tau / 3 (RMS) from the
-            # others' mean, whatever it sends (the signal's RMS is about 1)
-            assert clip_err < 1.5 * clip.tau / 3
-            assert all(torch.equal(x, xs[0]) for x in xs[:3])  # one result everywhere
-            quiet_err, _ = await round_(CenteredClip(tau=10.0, iters=1), garbage=False)
+            for clip, where in (
+                (CenteredClip(tau=0.3, iters=3), honest_owned),
+                (CenteredClip(tau=0.3, iters=3, start="median"), everywhere),
+            ):
+                clip_err, xs = await round_(clip, True, where)
+                # its fixed point: one peer of four holds v about tau / 3 (RMS) from
+                # the others' mean, whatever it sends (the signal's RMS is about 1)
+                assert clip_err < 1.5 * clip.tau / 3, clip
+                assert all(torch.equal(x, xs[0]) for x in xs[:3])  # one result everywhere
+            quiet_err, _ = await round_(CenteredClip(tau=10.0, iters=1), False, everywhere)
             assert quiet_err < 1e-5
 
     run_async(main())

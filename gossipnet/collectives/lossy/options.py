@@ -2,8 +2,8 @@
 
 Why a value: a round has thirteen knobs (where results go, our weight, its bound,
 a hook on the averages, the view, its mode and id, repair, copies, parity, stale
-steps, compression, robust aggregation); as one frozen value they are checked once, here, and a caller names only
-the ones it changes.
+steps, compression, robust aggregation); as one frozen value they are checked
+once, here, and a caller names only the ones it changes.
 """
 
 from __future__ import annotations

@@ -10,17 +10,19 @@ partition, bounds what any one contribution can do::
 
     v <- v + sum_i w_i clip(x_i - v) / sum_i w_i,   clip(z) = z min(1, r / ||z||)
 
-for a few iterations from a robust start, the coordinate-wise median of the
-contributions.  A contribution within ``r`` of ``v`` counts fully, as in the
-mean; one farther counts as a step of length ``r`` towards it, so a peer of
-weight ``w`` moves ``v`` at most ``r w / sum(w)`` per iteration, whatever it sends.
+for a few iterations from a robust start: the owner's own contribution (it is
+honest about its own values, or the chunk is lost whatever the rule) or the
+coordinate-wise median of the contributions.  A contribution within ``r`` of
+``v`` counts fully, as in the mean; one farther counts as a step of length ``r``
+towards it, so a peer of weight ``w`` moves ``v`` at most ``r w / sum(w)`` per
+iteration, whatever it sends.
 
 Here the unit is a chunk (what one packet carries): ``r = tau * sqrt(elements)``,
 so ``tau`` is a radius per element (root mean square) and means the same for
 every chunk size.  Pick it above the honest spread of contributions (e.g. a few
 times the typical RMS distance of one peer's gradient from the mean): below
 it, honest contributions are clipped too and the result is biased toward the
-median.
+start.
 
 Cost: the owner keeps every contribution (participants x shard elements, not one
 accumulator), and ``iters`` passes over them at the end of the reduce-scatter.
@@ -33,13 +35,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Literal, cast
 
 import torch
 
 from gossipnet.collectives.lossy.reducer import Part, ShardReducer
 
-__all__ = ("CenteredClip", "ClippingReducer", "centered_clip")
+__all__ = ("CenteredClip", "ClippingReducer", "Start", "centered_clip")
+
+#: Where the iterations start (:class:`CenteredClip`).
+Start = Literal["own", "median"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -48,7 +53,12 @@ class CenteredClip:
 
     Attributes:
         tau: clipping radius per element (RMS), > 0 and finite.
-        iters: iterations from the median, in [1, 100].
+        iters: iterations, in [1, 100].
+        start: where the iterations start: ``"own"``, the owner's own values (its
+            own contribution, which it knows to be honest: one copy), or
+            ``"median"``, the coordinate-wise median of the contributions that
+            arrived (needs no honest owner's values, and costs a sort of every
+            element's contributions, several times the iterations).
 
     Raises:
         ValueError: a value out of those ranges.
@@ -56,18 +66,23 @@ class CenteredClip:
 
     tau: float
     iters: int = 3
+    start: Start = "own"
 
     def __post_init__(self) -> None:
         if not (isinstance(self.tau, (int, float)) and 0 < self.tau < math.inf):
             raise ValueError(f"tau must be a finite number > 0, got {self.tau!r}")
         if not (isinstance(self.iters, int) and 1 <= self.iters <= 100):
             raise ValueError(f"iters must be an int in [1, 100], got {self.iters!r}")
+        if self.start not in ("own", "median"):
+            raise ValueError(f"start must be 'own' or 'median', got {self.start!r}")
 
 
-def centered_clip(x: torch.Tensor, w: torch.Tensor, tau: float, iters: int) -> torch.Tensor:
+def centered_clip(
+    x: torch.Tensor, w: torch.Tensor, tau: float, iters: int, start: Start = "own"
+) -> torch.Tensor:
     """Centered clipping of ``x`` (``[k, n, m]``: k senders' values of n chunks of m
-    elements) with weights ``w`` (``[k, n]``, 0 where a sender's chunk did not
-    arrive); per chunk, the start is the median of the contributions of weight > 0.
+    elements, ours first) with weights ``w`` (``[k, n]``, 0 where a sender's chunk
+    did not arrive), from ``start`` (:class:`CenteredClip`).
 
     Every chunk needs one contribution of weight > 0 (the caller keeps its own
     values where none has); absent entries of ``x`` must be finite (zeros).
@@ -75,8 +90,10 @@ def centered_clip(x: torch.Tensor, w: torch.Tensor, tau: float, iters: int) -> t
     Returns:
         ``[n, m]``, the aggregate of each chunk.
     """
-    present = (w > 0)[:, :, None]
-    v = torch.where(present, x, math.nan).nanmedian(dim=0).values
+    if start == "median":
+        v = torch.where((w > 0)[:, :, None], x, math.nan).nanmedian(dim=0).values
+    else:
+        v = x[0]
     ws = w.to(x.dtype)
     total = ws.sum(0)[:, None]
     radius = tau * math.sqrt(x.shape[2])
@@ -99,7 +116,7 @@ class ClippingReducer(ShardReducer):
         me: this peer (row 0: ``acc``'s values, unweighted).
     """
 
-    __slots__ = ("_pw", "_row", "_x", "rule")
+    __slots__ = ("_pw", "_pw_np", "_row", "_x", "rule")
 
     def __init__(
         self,
@@ -117,8 +134,10 @@ class ClippingReducer(ShardReducer):
         self._x[0].copy_(acc)  # before the base scales acc by our weight
         super().__init__(acc, chunks, chunk_elems, weight)
         self.rule = rule
+        # per sender and chunk, the weight its part came with (0: none came)
         self._pw = torch.zeros(len(self._row), len(chunks), dtype=torch.float64)
         self._pw[0] = float(weight)
+        self._pw_np = self._pw.numpy()  # the same memory: cheap scalar writes
 
     def _refuse(self, sender: str, chunk: int, numel: int, weight: float) -> str | None:
         if sender not in self._row:
@@ -126,9 +145,11 @@ class ClippingReducer(ShardReducer):
         return super()._refuse(sender, chunk, numel, weight)
 
     def _add(self, sender: str, row: int, values: torch.Tensor, weight: float) -> None:
+        """Keep one accepted part: sender's values of the shard's chunk ``row``."""
         lo = row * self.chunk_elems
-        self._x[self._row[sender], lo : lo + values.numel()].copy_(values)
-        self._pw[self._row[sender], row] = weight
+        k = self._row[sender]
+        self._x[k, lo : lo + values.numel()].copy_(values)
+        self._pw_np[k, row] = weight
 
     def _add_rows(
         self,
@@ -137,12 +158,23 @@ class ClippingReducer(ShardReducer):
         rows: dict[int, int],
         stacked: torch.Tensor | None,
     ) -> None:
+        """Keep the taken parts: stacked rows with one ``index_copy_`` per sender."""
+        step = self.chunk_elems
+        runs: dict[int, tuple[list[int], list[int]]] = {}  # sender row -> (stacked, chunk)
         for i, row, weight in taken:
             r = rows.get(i) if stacked is not None else None
-            values = cast(
-                torch.Tensor, stacked[r] if stacked is not None and r is not None else parts[i][2]
-            )
-            self._add(parts[i][0], row, values, weight)
+            if r is None:
+                self._add(parts[i][0], row, cast(torch.Tensor, parts[i][2]), weight)
+                continue
+            k = self._row[parts[i][0]]
+            self._pw_np[k, row] = weight
+            src, dst = runs.setdefault(k, ([], []))
+            src.append(r)
+            dst.append(row)
+        for k, (src, dst) in runs.items():
+            block = cast(torch.Tensor, stacked)
+            grid = self._x[k, : (self._x.shape[1] // step) * step].view(-1, step)
+            grid.index_copy_(0, torch.tensor(dst), block.index_select(0, torch.tensor(src)))
 
     def average(self, own: torch.Tensor) -> torch.Tensor:
         """Centered clipping per chunk into ``acc``, which is returned; a chunk with no
@@ -156,13 +188,13 @@ class ClippingReducer(ShardReducer):
         pw = self._pw.clone()
         zero = pw.sum(0) <= 0
         pw[0, zero] = 1.0  # no weight arrived: our own values, as the mean does
-        tau, iters = self.rule.tau, self.rule.iters
+        rule = self.rule
         if n_full:
             x = self._x[:, : n_full * step].view(k, n_full, step)
-            acc[: n_full * step].view(n_full, step).copy_(
-                centered_clip(x, pw[:, :n_full], tau, iters)
-            )
+            got = centered_clip(x, pw[:, :n_full], rule.tau, rule.iters, rule.start)
+            acc[: n_full * step].view(n_full, step).copy_(got)
         if n_elems > n_full * step:
             x = self._x[:, n_full * step :].view(k, 1, -1)
-            acc[n_full * step :].copy_(centered_clip(x, pw[:, n_full:], tau, iters)[0])
+            got = centered_clip(x, pw[:, n_full:], rule.tau, rule.iters, rule.start)
+            acc[n_full * step :].copy_(got[0])
         return acc
