@@ -1,5 +1,6 @@
-"""Issue 37, findings 4 and 5: what one member's packets may do to round ids and sums;
-and the owner's optional robust aggregation (centered clipping).
+"""Issue 37, findings 4 and 5: what one member's packets may do to round ids and sums
+(the lossy all-reduce, and SPARQ's copies); and the owner's optional robust
+aggregation (centered clipping).
 
 A member holds its own key, so its packets are authenticated as its own; these tests
 send them with its node (``Node.send``), as its own software would, with values no
@@ -33,6 +34,9 @@ from gossipnet.collectives.lossy.reducer import MAX_WEIGHT, ShardReducer
 from gossipnet.collectives.lossy.robust import CenteredClip, ClippingReducer, centered_clip
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.round_id import MAX_ROUND, layout_of
+from gossipnet.collectives.sparq import codec as sparq_codec
+from gossipnet.collectives.sparq.codec import VALUE_BOUND as SPARQ_BOUND
+from gossipnet.collectives.sparq.codec import Layout
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.transport.wire import Packet
 
@@ -458,3 +462,25 @@ def test_clipping_reducer_takes_parts_alone_or_in_batches_alike() -> None:
     # a chunk no weight arrived for keeps our own values, as the mean does
     lone = ClippingReducer(own.clone(), range(4, 8), 256, 0.0, rule, IDS3, "p0")
     assert torch.equal(lone.average(own), own)
+
+
+# ---------------------------------------------------------------------- SPARQ
+def test_sparq_deltas_and_refreshes_past_the_value_bound_parse_to_none() -> None:
+    """A DELTA at scale 3e38 decoded to inf (127 * 3e38) and entered the neighbour's
+    copy, then every mix; a REFRESH of finite 3e38 values overflowed the mix."""
+    layout = Layout.for_payload(2000, 0.1, 256)
+    fields = {"b": 0, "u": 0, "n": 1}
+
+    def delta(scale: float) -> bytes:
+        return struct.pack("<fHb", scale, 3, 127)
+
+    got = sparq_codec.parse_delta(fields, delta(0.5), layout)
+    assert got is not None
+    assert float(got[3][0]) == 63.5
+    assert sparq_codec.parse_delta(fields, delta(SPARQ_BOUND / 127), layout) is not None
+    for scale in (3e38, SPARQ_BOUND):
+        assert sparq_codec.parse_delta(fields, delta(scale), layout) is None, scale
+    seg = {"b": 0, "u": 0, "o": 0, "n": layout.segment}
+    for value, ok in ((1.0, True), (SPARQ_BOUND, True), (3e38, False), (-3e38, False)):
+        vals = torch.full((layout.segment,), value).numpy().tobytes()
+        assert (sparq_codec.parse_refresh(seg, vals, layout) is not None) is ok, value
