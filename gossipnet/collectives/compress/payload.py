@@ -42,13 +42,16 @@ whose own setting differs drops the packet (``compressed_kind``).
 
 Decoders check every count against the chunk (an index beyond it, a count that
 does not add up to the payload's length, an unsorted or repeated index, a
-non-finite value or scale, a count above its bound or an overlong varint): each
+non-finite value or scale, an int8 scale above what finite values give, decoded
+values that are not finite, a count above its bound or an overlong varint): each
 is a :class:`Bad` with the reason the caller counts, never an exception that escapes.
+The values a decoder returns are finite, checked once per payload (one reduction).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 import struct
 from dataclasses import dataclass
 
@@ -56,6 +59,7 @@ import torch
 
 from gossipnet.collectives.chunks import all_finite, as_bytes, from_bytes
 from gossipnet.collectives.compress.quant import (
+    MAX_SCALE,
     dequantize_grouped_int8,
     from_half,
     group_count,
@@ -149,14 +153,23 @@ class Reader:
         if codec == "bf16":
             v = from_half(self.tensor(torch.bfloat16, count))
         else:
-            scale = self.tensor(torch.float32, 1)
-            if not all_finite(scale):
-                raise Bad("non_finite")
+            scale = self.scale()
             shifts = self.tensor(torch.uint8, group_count(count))
             v = dequantize_grouped_int8(scale[0], shifts, self.tensor(torch.int8, count))
         if not all_finite(v):
             raise Bad("non_finite")
         return v
+
+    def scale(self) -> torch.Tensor:
+        """An int8 scale (one float32): finite (else ``non_finite``) and in
+        ``[0, MAX_SCALE]``, the range finite inputs give (else ``compressed_scale``)."""
+        s = self.tensor(torch.float32, 1)
+        x = float(s[0])
+        if not math.isfinite(x):
+            raise Bad("non_finite")
+        if not 0.0 <= x <= MAX_SCALE:
+            raise Bad("compressed_scale")
+        return s
 
     def ages(self, count: int) -> torch.Tensor:
         """``count`` u8 ages (rounds a block's values stand for) as float32, each >= 1."""

@@ -28,6 +28,7 @@ import torch
 __all__ = (
     "CODEC_IDS",
     "HALF",
+    "MAX_SCALE",
     "VALUE_BYTES",
     "code_values",
     "coded_bytes",
@@ -53,6 +54,10 @@ VALUE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
 GROUP = 16
 #: The largest shift: a group's step is at least ``scale / 2**MAX_SHIFT``.
 MAX_SHIFT = 31
+#: The largest int8 scale a finite float32 input gives (``max|x| / 127`` at the
+#: largest float32, rounded as :func:`quantize_int8` rounds it); a larger one in a
+#: payload is forged or broken (and would decode past float32 to inf).
+MAX_SCALE = float(torch.tensor(torch.finfo(torch.float32).max) / 127.0)
 
 
 def to_half(x: torch.Tensor, name: str) -> torch.Tensor:

@@ -39,9 +39,12 @@ the lossy optimizer turns it on by default (``Config.parity_for``).
 Rounds: a caller that knows what its round is passes its id (the optimizer:
 a function of the training step, :mod:`.round_id`), so peers pair rounds by
 what they are, never by how many calls each made.  Plain calls (no id) take
-the larger of our own next round and the highest one any peer announced
-(data packets, heartbeat beacons), so a restarted or late peer catches up in
-one call.  Every data and END packet carries the round id, its mode and a
+the larger of our own next round and the highest one that more than half of
+the peers that recently took part with us claim (data packets, heartbeat
+beacons), a claim counting at most ``ROUND_WINDOW`` past our own round
+(:mod:`.claims`): a restarted or late peer catches up in one call, and no one
+peer's word moves the others, nor can any packet bring ids near the end of
+their range.  Every data and END packet carries the round id, its mode and a
 layout fingerprint: a packet of another mode or layout is never mixed in
 (counted; a layout that differs raises ``LayoutMismatchError`` after the
 round).  Packets for a round we have not started yet are buffered (bounded);
@@ -59,5 +62,6 @@ Where to read (each module owns one thing; imports go down this list):
   :mod:`.stale_step` estimated steps for lost broadcasts.
 - :mod:`.round` one round's bookkeeping, :mod:`.packets` per-packet pieces and
   ``EngineKinds``, :mod:`.round_id` and :mod:`.layout` what a round is,
-  :mod:`.loss_watch` what recent loss makes us spend, :mod:`.kinds` packet kinds.
+  :mod:`.claims` whose word about round ids counts, :mod:`.loss_watch` what
+  recent loss makes us spend, :mod:`.kinds` packet kinds.
 """

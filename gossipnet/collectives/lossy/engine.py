@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from gossipnet.collectives.lossy import repair as _repair
+from gossipnet.collectives.lossy.claims import RoundClaims
 from gossipnet.collectives.lossy.context import PhaseName
 from gossipnet.collectives.lossy.cut import ReorderWindow, StallWindow, wait_phase
 from gossipnet.collectives.lossy.gather import all_gather, replay_ag
@@ -73,7 +74,10 @@ class LossyAllReduce(Intake):
         self._loss_key = tag + ".loss"  # our heartbeat's "I saw loss recently" flag
         self.k = kinds
         self.next_round = 0
+        # the highest round a peer claimed (clamped to the window); a plain call
+        # catches up to no more than this and the electorate's quorum (.claims)
         self.max_seen = -1
+        self.claims = RoundClaims()
         self._round: Round | None = None
         self._last: Round | None = None  # serves repair requests after it ended
         self._buffered: dict[int, list[Packet]] = collections.defaultdict(list)
@@ -137,6 +141,17 @@ class LossyAllReduce(Intake):
         """Recent spans of ``phase`` (seconds per packet), which learn its cut times."""
         return self._spans[phase]
 
+    @property
+    def participants_seen(self) -> frozenset[str]:
+        """Peers whose data (reduce-scatter contributions or all-gather chunks) this
+        engine took in one of its last :data:`.claims.PARTICIPANT_ROUNDS` rounds.
+
+        Read-only; what "took part with us" means wherever one peer's word about
+        rounds must be weighed (:mod:`.claims`): an id outside it has not shown it
+        is a participant, whatever it claims.
+        """
+        return self.claims.participants()
+
     def end_copies(self, rnd: Round) -> int:
         """END copies for this round (``.loss_watch.LossWatch.end_copies``)."""
         return self.loss.end_copies(self._others(rnd), rnd.redundancy)
@@ -180,6 +195,7 @@ class LossyAllReduce(Intake):
                 rnd.repaired = True  # its repair answers arrive after ENDs by design
                 ag_timed_out = not await _repair.repair(self, rnd, deadline) or ag_timed_out
             report = rnd.report(clock.now() - t0, rs_timed_out or ag_timed_out)
+            self.claims.took_part(p for p in report.contributors if p != rnd.me)
             if rnd.codec is not None:
                 report.extra.update(rnd.codec.finish(rnd))
             if opts.stale_step is not None:  # chunks_stale still counts them: not delivered
@@ -205,21 +221,22 @@ class LossyAllReduce(Intake):
         round, from memory the caller must not have changed since.
         """
         node = self.node
+        parts = tuple(sorted(opts.participants)) if opts.participants else node.alive_peers()
+        self.claims.keep(parts)
         if opts.round_id is None:
-            r = max(self.next_round, self.max_seen)
+            r = max(self.next_round, min(self.max_seen, self._quorum_round()))
         elif opts.round_id < self.next_round:
             raise ValueError(
                 f"round id {opts.round_id} was already run (next is {self.next_round})"
             )
         else:
             r = opts.round_id
-        parts = tuple(sorted(opts.participants)) if opts.participants else node.alive_peers()
         redundancy = node.config.redundancy if opts.redundancy is None else opts.redundancy
         dst = list(opts.dst) if opts.dst is not None else src
         rnd = Round(
             r, node.peer_id, tuple(parts), src, dst, opts.weight,
             chunk_sizes(node, src, len(parts), opts.compress, opts.on_reduced is not None),
-            opts.mode, redundancy, self._pool, not opts.repair,
+            opts.mode, redundancy, self._pool, not opts.repair, robust=opts.robust,
         )  # fmt: skip
         if opts.compress is not None:  # before any packet of the round is taken in
             rnd.codec = opts.compress
@@ -279,6 +296,7 @@ class LossyAllReduce(Intake):
         async with self._lock:
             self.next_round = round_id
             self.max_seen = min(self.max_seen, round_id - 1)
+            self.claims.cap(round_id - 1)
             self._buffered.clear()
             self._nbuffered = 0
             self._last = None
@@ -289,7 +307,17 @@ class LossyAllReduce(Intake):
         if rnd is None:
             return alignment(self.node.peer_id, set(), {}, self.next_round)
         heard = set(rnd.rs.received) | set(rnd.ag.received) | rnd.rs.done | rnd.ag.done
-        return alignment(rnd.me, heard, rnd.elsewhere, rnd.r)
+        voters = self._electorate()  # an id that never took part carries no weight
+        elsewhere = {p: x for p, x in rnd.elsewhere.items() if p in voters}
+        return alignment(rnd.me, heard, elsewhere, rnd.r)
+
+    def _electorate(self) -> frozenset[str]:
+        """Whose round claims count (:meth:`.claims.RoundClaims.electorate`)."""
+        return self.claims.electorate(self.node.alive_peers(), self.node.peer_id)
+
+    def _quorum_round(self) -> int:
+        """The highest round a majority of the electorate claims to have reached."""
+        return self.claims.quorum(self._electorate())
 
     def _on_membership(self, event: str, peer: str) -> None:
         if event != "joined":

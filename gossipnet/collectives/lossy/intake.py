@@ -5,9 +5,12 @@ half, run from the transport's receive path.  A packet of the open round goes to
 its phase (:mod:`.scatter`, :mod:`.gather`), a drain's data chunks in runs
 (batched intake), a packet of a later round waits in a bounded buffer, an older
 one is counted late (and teaches the reorder window how late), heartbeats and
-ENDs carry the peers' round numbers and loss flags.  :class:`Intake` is a mixin
-of :class:`~.engine.LossyAllReduce`: it reads and moves the engine's state
-(declared below), so the two stay one object on the loop thread.
+ENDs carry the peers' round numbers and loss flags.  A round id from a peer is
+its claim (:mod:`.claims`): one past our window is counted (``round_jump``) and
+kept clamped, and a data packet that far ahead is dropped, never buffered.
+:class:`Intake` is a mixin of :class:`~.engine.LossyAllReduce`: it reads and
+moves the engine's state (declared below), so the two stay one object on the
+loop thread.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import collections
 from typing import cast
 
 from gossipnet.collectives.lossy import repair as _repair
+from gossipnet.collectives.lossy.claims import RoundClaims
 from gossipnet.collectives.lossy.context import PhaseContext, PhaseName
 from gossipnet.collectives.lossy.cut import ReorderWindow, StallWindow
 from gossipnet.collectives.lossy.gather import on_ag, on_ag_batch
@@ -45,6 +49,7 @@ class Intake:
     k: EngineKinds
     next_round: int
     max_seen: int
+    claims: RoundClaims
     dropped: collections.Counter[str]
     loss: LossWatch
     peer_layouts: dict[str, tuple[int, str]]
@@ -151,8 +156,6 @@ class Intake:
             and "z" not in f  # compressed: decoded one by one (.scatter, .gather)
         ):
             return -1
-        if r > self.max_seen:
-            self.max_seen = r
         return kind | _PARITY_RUN if "g" in f else kind
 
     def _on_packet(self, pkt: Packet) -> None:
@@ -169,8 +172,8 @@ class Intake:
             self.dropped["repair_unknown_round"] += 1
             return
         current = rnd.r if rnd is not None else self.next_round
-        if r > self.max_seen:
-            self.max_seen = r
+        if r > current and not self._claim(pkt.src, r)[1]:
+            return  # beyond the window (counted): no round we can reach
         if rnd is not None and r >= rnd.r and pkt.src in rnd.members:
             now = self.node.clock.now()
             if r > rnd.r:  # the sender finished our round
@@ -297,15 +300,25 @@ class Intake:
         if not valid_round(nxt):
             self.dropped["bad_round"] += 1
             return
-        if nxt > self.max_seen:
-            self.max_seen = nxt
+        nxt = self._claim(pkt.src, nxt, latest=True)[0]
         rnd = self._round
         if rnd is not None and nxt != rnd.r:
             # members and non-members alike: a peer that declared everyone dead while
-            # it was frozen runs its next round alone, and hears them only here
+            # it was frozen runs its next round alone, and hears them only here (who
+            # of them counts is decided at alignment: .claims, the electorate)
             rnd.elsewhere[pkt.src] = max(nxt, rnd.elsewhere.get(pkt.src, -1))
         if rnd is not None and nxt > rnd.r and pkt.src in rnd.members:
             # its beacon names the round after ours: it finished ours
             now = self.node.clock.now()
             rnd.rs.passed(pkt.src, now)
             rnd.ag.passed(pkt.src, now)
+
+    def _claim(self, src: str, r: int, *, latest: bool = False) -> tuple[int, bool]:
+        """``src`` says it is at round ``r`` (:meth:`.claims.RoundClaims.claim`);
+        one beyond the window is counted (``round_jump``) and kept clamped."""
+        kept, within = self.claims.claim(src, r, self.next_round, latest=latest)
+        if not within:
+            self.dropped["round_jump"] += 1
+        if kept > self.max_seen:
+            self.max_seen = kept
+        return kept, within

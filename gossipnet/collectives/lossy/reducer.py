@@ -17,9 +17,16 @@ unbiased when the delivered set ``R(c)`` does not depend on the values (random
 loss); dividing by N would be biased low by about ``(1 - p)``.  A chunk whose
 arrived weights sum to 0 keeps our own values (never 0/0).
 
+Bounds, so that nothing a peer sends can overflow the sums: a weight is in
+``[0, MAX_WEIGHT]`` and a contribution's values are finite with a norm of at most
+the accumulator's :data:`VALUE_LIMIT`; then a chunk's weighted sum stays below
+the dtype's largest value for any number of contributions a run can have, and
+``add_``'s ``alpha`` always fits the accumulator.  A part outside them is refused
+(``bad_weight``, ``non_finite``, ``value_range``), never added.
+
 All work is in vector operations: per chunk (:meth:`ShardReducer.accumulate`), or per
 batch of chunks (:meth:`ShardReducer.accumulate_batch`: what one receive drain
-delivered, checked for finiteness in one reduction and added with one ``index_add_``
+delivered, checked in one norm reduction per row and added with one ``index_add_``
 per run of equal weights).  Both add in arrival order with the same kernel
 (``add_(values, alpha=w)`` per row), so a batch gives bit-identical sums.
 The per-chunk counters are numpy views of the ``weights``/``contributors`` tensors:
@@ -38,13 +45,52 @@ import torch
 
 from gossipnet.collectives.chunks import all_finite, worth_stacking
 
-__all__ = ("OwnedShard", "Part", "ShardReducer")
+__all__ = ("MAX_WEIGHT", "VALUE_LIMIT", "OwnedShard", "Part", "ShardReducer", "valid_weight")
 
 #: One contribution: ``(sender, chunk, values, weight)``, as :meth:`ShardReducer.accumulate`;
 #: ``values`` None only for a part whose values are a row of ``accumulate_batch``'s ``stacked``.
 Part = tuple[str, int, torch.Tensor | None, float]
-#: Dtypes whose finiteness a row sum tells (``chunks.all_finite``'s rule).
-_SUM_CHECKED = (torch.float32, torch.float64)
+#: The largest weight a contribution may carry.  Weights count what a peer's values
+#: stand for (micro-batches, replicas, an island's peers: small integers); 2**24
+#: keeps every integer weight exact in a float32 ``alpha`` and, with VALUE_LIMIT,
+#: every weighted sum finite.
+MAX_WEIGHT = float(1 << 24)
+#: Per accumulator dtype, the largest norm of one contribution's chunk.  No gradient
+#: or parameter comes near it, and ``2**24`` weight times it, summed over ``2**40``
+#: contributions, stays finite (float32: ``2**124 < 2**128``).
+VALUE_LIMIT = {torch.float32: 2.0**60, torch.float64: 2.0**500}
+
+
+def valid_weight(w: object) -> bool:
+    """Whether ``w`` is a weight a contribution may carry: a number in ``[0, MAX_WEIGHT]``
+    (NaN and infinities fail)."""
+    return isinstance(w, (int, float)) and 0 <= w <= MAX_WEIGHT
+
+
+def _norms_ok(block: torch.Tensor, acc_dtype: torch.dtype) -> list[bool]:
+    """Per row of ``block``, whether its values are finite with a norm of at most
+    ``VALUE_LIMIT[acc_dtype]``: one reduction over the block.  NaN and +-inf give a
+    norm that fails the comparison, and so does a norm that overflows the dtype of
+    its computation (values past ~2**64 in float32), which is past the limit anyway."""
+    if not block.is_floating_point():
+        return [True] * block.shape[0]  # integers are finite and far below the limit
+    wide = block.dtype in (torch.float32, torch.float64)  # half: computed in float32
+    norms = torch.linalg.vector_norm(block, dim=1, dtype=None if wide else torch.float32)
+    return (norms <= VALUE_LIMIT[acc_dtype]).tolist()
+
+
+def _norm_ok(values: torch.Tensor, acc_dtype: torch.dtype) -> bool:
+    """:func:`_norms_ok` for one part's values (as few dispatches as a sum)."""
+    if not values.is_floating_point():
+        return True
+    wide = values.dtype in (torch.float32, torch.float64)
+    norm = torch.linalg.vector_norm(values, dtype=None if wide else torch.float32)
+    return float(norm) <= VALUE_LIMIT[acc_dtype]
+
+
+def _refusal(values: torch.Tensor) -> str:
+    """Why values that failed :func:`_norms_ok` are refused (a rare path: one reduction)."""
+    return "value_range" if all_finite(values) else "non_finite"
 
 
 @dataclass(slots=True)
@@ -70,10 +116,12 @@ class ShardReducer:
             accumulate in it, in place (float32 or float64).
         chunks: the bucket's chunk indices this shard holds.
         chunk_elems: elements per full chunk (the last may be shorter).
-        weight: our own weight, >= 0; ``acc`` is scaled by it here.
+        weight: our own weight, in ``[0, MAX_WEIGHT]``; ``acc`` is scaled by it here.
+            Our own values are not checked against :data:`VALUE_LIMIT` (they are
+            the caller's to keep finite).
 
     Raises:
-        ValueError: ``weight`` negative or not finite, or ``acc`` shorter than ``chunks``.
+        ValueError: ``weight`` outside ``[0, MAX_WEIGHT]``, or ``acc`` shorter than ``chunks``.
     """
 
     __slots__ = (
@@ -90,8 +138,8 @@ class ShardReducer:
     )
 
     def __init__(self, acc: torch.Tensor, chunks: range, chunk_elems: int, weight: float) -> None:
-        if not 0 <= weight < math.inf:
-            raise ValueError(f"weight must be a finite number >= 0, got {weight}")
+        if not valid_weight(weight):
+            raise ValueError(f"weight must be a number in [0, {MAX_WEIGHT:.0f}], got {weight}")
         if chunk_elems < 1 or acc.numel() <= (len(chunks) - 1) * chunk_elems:
             raise ValueError(f"{acc.numel()} elements cannot hold {len(chunks)} chunks")
         if weight != 1.0:
@@ -121,22 +169,23 @@ class ShardReducer:
             sender: who sent the part; each sender counts once per chunk.
             chunk: the bucket's chunk index.
             values: the chunk's elements, as many as the chunk holds.
-            weight: the sender's weight, finite and >= 0.
-            check: refuse non-finite values (False: the caller checked them).
+            weight: the sender's weight, in ``[0, MAX_WEIGHT]``.
+            check: refuse values that are not finite or past :data:`VALUE_LIMIT`
+                (False: the caller checked them).
 
         Returns:
             None when added; else ``"late"`` (averaged already), ``"bad_weight"``,
             ``"not_owner"`` (a chunk outside the shard), ``"failed_sender"``,
-            ``"duplicate"``, ``"layout_mismatch"`` (wrong length) or ``"non_finite"``.
+            ``"duplicate"``, ``"layout_mismatch"`` (wrong length), ``"non_finite"``
+            or ``"value_range"`` (finite, but its norm is past :data:`VALUE_LIMIT`).
         """
         reason = self._refuse(sender, chunk, values.numel(), weight)
-        if reason is None and check and not all_finite(values):
-            reason = "non_finite"
+        if reason is None and check and not _norm_ok(values, self.acc.dtype):
+            reason = _refusal(values)
         if reason is not None:
             return reason
         self._take(sender, chunk, weight)
-        lo = (chunk - self.chunks.start) * self.chunk_elems
-        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
+        self._add(sender, chunk - self.chunks.start, values, weight)
         return None
 
     def accumulate_batch(
@@ -151,7 +200,7 @@ class ShardReducer:
         Why: one drain of the receive socket delivers tens of chunks; per chunk,
         a finiteness reduction and an ``add_`` cost ~2 us of dispatch each.  Here
         the full-length parts of small chunks (:func:`worth_stacking`; larger ones
-        take one call each) are stacked once (one copy), checked with one row sum,
+        take one call each) are stacked once (one copy), checked with one row norm,
         and added with one ``index_add_`` per run of equal weights, which adds
         row by row in order with the same kernel as ``add_``: the sums are
         bit-identical to accumulating the parts one by one, and every refusal
@@ -182,9 +231,9 @@ class ShardReducer:
             )
             if block is None:
                 rows = {}
-        finite: list[bool] | None = None
-        if check and block is not None and block.dtype in _SUM_CHECKED:
-            finite = torch.isfinite(block.sum(dim=1)).tolist()
+        in_range: list[bool] | None = None
+        if check and block is not None:
+            in_range = _norms_ok(block, self.acc.dtype)
         if block is not None and block.dtype != self.acc.dtype:
             block = block.to(self.acc.dtype)  # exact (wider), as add_ promotes it
         reasons: list[str | None] = []
@@ -195,16 +244,12 @@ class ShardReducer:
             numel = width if r is not None else cast(torch.Tensor, values).numel()
             reason = self._refuse(sender, chunk, numel, weight)
             if reason is None and check:
-                if r is not None and finite is not None:
-                    ok = finite[r]
-                else:  # one reduction: a row (not sum-checked dtype) or a lone part
-                    ok = all_finite(
-                        cast(
-                            torch.Tensor,
-                            block[r] if r is not None and block is not None else values,
-                        )
-                    )
-                reason = None if ok else "non_finite"
+                if r is not None and block is not None and in_range is not None:
+                    row, ok = block[r], in_range[r]
+                else:  # one reduction: a lone part
+                    row = cast(torch.Tensor, values)
+                    ok = _norm_ok(row, self.acc.dtype)
+                reason = None if ok else _refusal(row)
             reasons.append(reason)
             if reason is None:
                 self._take(sender, chunk, weight)
@@ -237,16 +282,19 @@ class ShardReducer:
             if r is not None:
                 run.append((r, row))
                 run_w = weight
-            else:
-                values = cast(torch.Tensor, parts[i][2])  # not stacked: it has values
-                lo = row * step
-                acc[lo : lo + values.numel()].add_(values, alpha=weight)
+            else:  # not stacked: it has values
+                self._add(parts[i][0], row, cast(torch.Tensor, parts[i][2]), weight)
+
+    def _add(self, sender: str, row: int, values: torch.Tensor, weight: float) -> None:
+        """Add one accepted part, the shard's chunk ``row``, into the sums."""
+        lo = row * self.chunk_elems
+        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
 
     def _refuse(self, sender: str, chunk: int, numel: int, weight: float) -> str | None:
         """Why a part cannot be added, checked cheapest first; None if it can."""
         if self.closed:
             return "late"
-        if not 0 <= weight < math.inf:
+        if not 0 <= weight <= MAX_WEIGHT:  # NaN fails too
             return "bad_weight"
         if chunk not in self.chunks:
             return "not_owner"

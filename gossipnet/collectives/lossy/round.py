@@ -19,6 +19,7 @@ import torch
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.reducer import ShardReducer
+from gossipnet.collectives.lossy.robust import CenteredClip, ClippingReducer
 from gossipnet.collectives.lossy.round_id import layout_of
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.waker import Waker
@@ -154,6 +155,8 @@ class Round:
         redundancy: int = 1,
         pool: BufferPool | None = None,
         in_place: bool = False,
+        *,
+        robust: CenteredClip | None = None,
     ) -> None:
         self.r = r
         self.mode = mode
@@ -186,7 +189,7 @@ class Round:
         self.pool = pool or BufferPool()
         self.parity = self.pool.next_round()
         # the reduce-scatter's sums, one per bucket (.reducer: the arithmetic alone)
-        self.reducers = [self._reducer(b, weight, in_place) for b in range(len(self.src))]
+        self.reducers = [self._reducer(b, weight, in_place, robust) for b in range(len(self.src))]
         self.got = [torch.zeros(p.nchunks, dtype=torch.bool) for p in self.plans]
         # the same memory as numpy: one read or write per packet costs ~0.1 us, not ~3 us
         self.got_np = [g.numpy() for g in self.got]
@@ -230,8 +233,11 @@ class Round:
         # that sender even if all its END copies were lost
         self.expect_rs = sum(len(o) for o in self.owned)
 
-    def _reducer(self, b: int, weight: float, in_place: bool) -> ShardReducer:
-        """Bucket ``b``'s reducer over our own values of our shard (in ``src`` or a pool copy)."""
+    def _reducer(
+        self, b: int, weight: float, in_place: bool, robust: CenteredClip | None
+    ) -> ShardReducer:
+        """Bucket ``b``'s reducer over our own values of our shard (in ``src`` or a pool
+        copy); with ``robust``, one that keeps every contribution (:mod:`.robust`)."""
         buf = self.src[b]
         span = self.maps[b].owned_range(self.me)
         acc_dtype = torch.float64 if buf.dtype == torch.float64 else torch.float32
@@ -249,7 +255,12 @@ class Round:
         else:
             acc = self.pool.get(self.parity, "acc", b, len(span), acc_dtype)
             acc.copy_(own)
-        return ShardReducer(acc, self.owned[b], self.plans[b].chunk_elems, weight)
+        step = self.plans[b].chunk_elems
+        if robust is not None:
+            return ClippingReducer(
+                acc, self.owned[b], step, weight, robust, self.participants, self.me
+            )
+        return ShardReducer(acc, self.owned[b], step, weight)
 
     def rs_expected(self, peer: str) -> int:
         """Reduce-scatter packets ``peer`` sends us if it shares our view."""

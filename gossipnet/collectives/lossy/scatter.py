@@ -33,7 +33,7 @@ from gossipnet.collectives.lossy.packets import (
     unbundle,
 )
 from gossipnet.collectives.lossy.parity import group_count, on_parity, send_parity
-from gossipnet.collectives.lossy.reducer import OwnedShard
+from gossipnet.collectives.lossy.reducer import OwnedShard, valid_weight
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.rows import ChunkRows
 from gossipnet.transport.base import Buffer
@@ -231,7 +231,7 @@ def rs_part(ctx: PhaseContext, rnd: Round, pkt: Packet, *, view: bool = True) ->
     was a parity packet (handled here, as :func:`on_rs` does).
     """
     w = pkt.fields.get("w", 1.0)
-    if not isinstance(w, (int, float)) or not 0 <= w < float("inf"):
+    if not valid_weight(w):  # in [0, MAX_WEIGHT]: no weighted sum can overflow
         ctx.dropped["bad_weight"] += 1
         return None
     if pkt.src in rnd.rs.ended:  # it was overtaken by its sender's END: learn by how much

@@ -24,6 +24,10 @@ Packets (fields are msgpack header fields; payloads little-endian):
 Every packet is authenticated by the wire codec like any other and carries all it
 needs to be applied alone (block, version, scale, offsets or segment); every parser
 returns None for a malformed or out-of-range packet, which callers count as a drop.
+Out of range includes values: a DELTA's scale and a REFRESH's values are finite and
+at most :data:`VALUE_BOUND` in magnitude (the DELTA's scale at most
+``VALUE_BOUND / 127``), so no neighbour's packets make a copy, and so the mix,
+non-finite: a copy moves at most that much per version.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import numpy as np
 import torch
 
 __all__ = (
+    "VALUE_BOUND",
     "Compressed",
     "Layout",
     "compress",
@@ -50,6 +55,9 @@ __all__ = (
 
 _Q = 127.0  # int8 levels each side of zero
 _SCALE = struct.Struct("<f")
+#: The largest magnitude a value from a packet may have: no parameter comes near it,
+#: and adding it to a copy for every version a run can send stays far from inf.
+VALUE_BOUND = 2.0**60
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +182,7 @@ def parse_delta(
     if b is None or u is None or n is None or len(payload) != 4 + 3 * n:
         return None
     (scale,) = _SCALE.unpack_from(payload, 0)
-    if not (math.isfinite(scale) and scale >= 0):
+    if not 0 <= scale <= VALUE_BOUND / _Q:  # NaN fails too
         return None
     offs = np.frombuffer(payload, dtype="<u2", count=n, offset=4).astype(np.int64)
     lo, hi = layout.bounds(b)
@@ -212,7 +220,7 @@ def parse_refresh(
     if o + n > hi - lo or n != min(layout.segment, hi - lo - o) or len(payload) != 4 * n:
         return None
     values = np.frombuffer(payload, dtype="<f4", count=n).astype(np.float32)
-    if not np.isfinite(values).all():
+    if not float(np.abs(values).max()) <= VALUE_BOUND:  # NaN and inf fail too
         return None
     return b, v, o, torch.from_numpy(values)
 
