@@ -4,9 +4,10 @@ Why: the packet path's cost is per packet (issue #21), so this bench reports it 
 microseconds of CPU per data packet, apart from sockets and the kernel:
 
 - ``encode_us`` / ``decode_us``: one reduce-scatter data packet (``--chunk-kib``
-  payload) through ``WireCodec.encode`` and ``WireCodec.decode`` (network MAC),
-  one at a time; ``decode_batch_us``: the same packets through
-  ``WireCodec.decode_batch`` (one call per drain of ``--batch`` packets).
+  payload) through ``WireCodec.encode`` and ``WireCodec.decode`` (network MAC under
+  the pair key of two codecs introduced to each other), one at a time;
+  ``decode_batch_us``: the same packets through ``WireCodec.decode_batch`` (one
+  call per drain of ``--batch`` packets).
 - ``round_us_per_packet``: 4 nodes on one ``MemoryNetwork`` in this process run
   ``LossyAllReduce`` rounds of ``--elems`` float32; the process CPU time of the
   timed rounds divided by the data packets they sent, which is the send and the
@@ -37,42 +38,52 @@ from gossipnet.collectives.lossy.engine import LossyAllReduce
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.config import Config
 from gossipnet.runtime.dispatch import PacketIO
+from gossipnet.testing import introduce
 from gossipnet.testing.cluster import cluster
 from gossipnet.transport.wire import WireCodec
 
 SECRET = b"bench-packet-path"
 
 
+def _introduced(cfg: Config) -> tuple[WireCodec, WireCodec]:
+    """A sender ``a`` and a receiver ``b``, each bound to the other's key."""
+    tx, rx = WireCodec(SECRET, cfg, "a"), WireCodec(SECRET, cfg, "b")
+    introduce(tx, rx)
+    return tx, rx
+
+
 def _codec_figures(n: int, chunk_bytes: int, batch: int) -> dict[str, float]:
-    """Microseconds of CPU per packet: encode, decode one by one, decode per batch."""
+    """Microseconds of CPU per packet: encode, decode one by one, decode per batch
+    (pairwise MACs: each receiver gets packets signed for its own key)."""
     cfg = Config(run="bench")
-    tx = WireCodec(SECRET, cfg, "a")
     payload = torch.randn(chunk_bytes // 4).numpy().tobytes()
     fields: dict[str, Any] = {
         "r": 7, "m": 0, "L": 123456789, "b": 0, "c": 5, "w": 1.0, "dt": "f32",
         "n": chunk_bytes // 4,
     }  # fmt: skip
+    tx, rx = _introduced(cfg)
     t0 = time.process_time()
     packets = [tx.encode(LossyKind.RS_DATA, fields, payload, dst="b") for _ in range(n)]
     encode = time.process_time() - t0
-    rx = WireCodec(SECRET, cfg, "b")
     views = [[memoryview(f) for f in p] for p in packets]
     t0 = time.process_time()
     ok = sum(rx.decode(p) is not None for p in views)
     decode = time.process_time() - t0
     out = {"encode_us": 1e6 * encode / n, "decode_us": 1e6 * decode / n}
     if ok != n:
-        raise SystemExit(f"only {ok} of {n} packets decoded")
+        raise SystemExit(f"only {ok} of {n} packets decoded: {dict(rx.rejects)}")
     batched = getattr(WireCodec, "decode_batch", None)
     if batched is not None:
-        rx = WireCodec(SECRET, cfg, "b")
+        tx, rx = _introduced(cfg)  # a fresh receiver (window), so a fresh pair key
+        packets = [tx.encode(LossyKind.RS_DATA, fields, payload, dst="b") for _ in range(n)]
+        views = [[memoryview(f) for f in p] for p in packets]
         t0 = time.process_time()
         got = 0
         for i in range(0, n, batch):
             got += sum(p is not None for p in rx.decode_batch(views[i : i + batch]))
         out["decode_batch_us"] = 1e6 * (time.process_time() - t0) / n
         if got != n:
-            raise SystemExit(f"only {got} of {n} packets decoded per batch")
+            raise SystemExit(f"only {got} of {n} packets decoded per batch: {dict(rx.rejects)}")
     return out
 
 

@@ -1,11 +1,11 @@
 """Destination tags: which peers a packet is for, in 4 bytes per peer.
 
-Why a destination (the ``"@"`` field, or the fixed header's tag section): the
-replay window is per receiver, so without it a packet captured on its way to
-one peer is fresh to every other, and a peer takes its own packets reflected
-back.  A packet encoded once for many peers carries all their tags (a
-broadcast chunk stays one encoding and one MAC).  Tags are keyed hashes of the
-peer ids, so they name no peer to an outsider.
+Why a destination (the ``"@"`` field, or the fixed header's tag section, and the
+tags opening a MAC frame for several peers): a packet encoded once for many peers
+(a broadcast chunk stays one encoding) carries one MAC per destination, each under
+that pair's key, and a receiver finds its own by its tag; the header's tags let a
+receiver drop a packet for others before it reads further.  Tags are keyed hashes
+of the peer ids, so they name no peer to an outsider.
 """
 
 from __future__ import annotations

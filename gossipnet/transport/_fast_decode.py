@@ -60,7 +60,6 @@ class FixedFastPath:
         ident: ``(wire version, run tag)``.
         replay: the replay window's ``check(src, epoch, seq)``.
         reject: the codec's ``reject(reason, src)`` counter.
-        suspect: the codec's ``note_suspect(reason, head, same_key)`` (MAC failures).
     """
 
     def __init__(
@@ -71,13 +70,12 @@ class FixedFastPath:
         ident: tuple[int, int],
         replay: Callable[[str, int, int], str | None],
         reject: Callable[[str, str | None], None],
-        suspect: Callable[[str, memoryview, bool], None],
     ) -> None:
         self._own, self._sig = own_tag, sig
         self._one = sig + KEY_ID_BYTES  # a one-peer MAC frame's length
         self._max_head, self._max_payload = limits
         self._version, self._run = ident
-        self._replay, self._reject, self._suspect = replay, reject, suspect
+        self._replay, self._reject = replay, reject
         #: accepted tails: bytes after the fixed header -> (src, src_len, ndst, session)
         self._tails: dict[bytes, tuple[str, int, int, Session]] = {}
         self.fast = 0  # packets decided here (accepted or rejected), for tests and benches
@@ -143,7 +141,6 @@ class FixedFastPath:
             or session.recv.verify(head, payload, tag)
         ):
             self._reject("mac", src)
-            self._suspect("mac", head, True)
             return None
         return self._accept(f, src, payload)
 

@@ -24,7 +24,8 @@ class Packet:
     ``fields`` holds the caller's header fields only (reserved keys removed).
     ``payload`` is a byte-format view of the received frame, not a copy: keep
     it only as long as the transport's buffer lives, or copy it.
-    ``directed``: the packet names us as a destination (False: it names none).
+    ``directed``: the packet came under its sender's pairwise key, so it was meant for
+    us (False: an introduction, which any member can send under any name).
     ``fresh``: it advanced its sender's replay window (False: an older packet
     arriving late); only fresh directed packets are evidence a peer is alive now.
     """

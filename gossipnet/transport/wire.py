@@ -57,7 +57,7 @@ import torch
 from gossipnet.clock import Clock, MonotonicClock
 from gossipnet.config import Config
 from gossipnet.transport import _data_header as _fixed
-from gossipnet.transport._dest import DestTags
+from gossipnet.transport._dest import TAG_BYTES, DestTags
 from gossipnet.transport._fast_decode import SLOW, FixedFastPath, tag_in
 from gossipnet.transport._packet import Packet
 from gossipnet.transport._rejects import RejectLog, Suspect
@@ -137,6 +137,11 @@ def _as_bytes_view(buf: Buffer) -> memoryview:
     return view
 
 
+#: A destination's sealing: MAC-frame destination tags, the sessions the tags are made
+#: with, and how many destinations we hold no key of.
+_Sealer = tuple[bytes, tuple[Session, ...], int]
+
+
 def _uint(x: object) -> TypeGuard[int]:
     # bool is an int subclass and msgpack decodes true/false as bool: refuse it.
     return type(x) is int and 0 <= x <= INT64_MAX
@@ -199,8 +204,9 @@ class WireCodec:
         self._run_tag = _fixed.run_tag(config.run)
         self._src_names: dict[bytes, str] = {}  # decoded sender ids of fixed headers
         self._dest = DestTags(key, src)
-        #: dst -> (MAC-frame destination tags, sessions), for the peers we hold keys of
-        self._sealers: dict[str | tuple[str, ...], tuple[bytes, tuple[Session, ...]]] = {}
+        #: dst -> (MAC-frame destination tags, sessions of the peers we hold keys of,
+        #: how many of dst's peers we hold no key of)
+        self._sealers: dict[str | tuple[str, ...], _Sealer] = {}
         #: packets encoded for a destination we hold no key of (that peer drops them)
         self.unkeyed = 0
         self._seq = itertools.count()  # next() is atomic under the GIL
@@ -221,7 +227,6 @@ class WireCodec:
             (VERSION, self._run_tag),
             self._replay_check,
             self._reject,
-            self._note_suspect,
         )
         #: drops per reason (``decode`` returned None), counted since the start
         self.rejects = self._log.rejects
@@ -253,31 +258,31 @@ class WireCodec:
         self._sealers.clear()
         self._fast.forget()
 
-    def _sealer(self, dst: str | Sequence[str]) -> tuple[bytes, tuple[Session, ...]]:
-        """The MAC-frame destination tags and the sessions that ``dst``'s tags are made with."""
+    def _sealer(self, dst: str | Sequence[str]) -> _Sealer:
+        """The MAC-frame destination tags and the sessions that ``dst``'s tags are made
+        with, and how many of ``dst`` we hold no key of."""
         key: str | tuple[str, ...] = dst if isinstance(dst, str) else tuple(dst)
         got = self._sealers.get(key)
         if got is None:
             by_id = self.keys.by_id
-            ids = (key,) if isinstance(key, str) else key
-            sessions = tuple(by_id[p] for p in dict.fromkeys(ids) if p in by_id)
+            ids = tuple(dict.fromkeys((key,) if isinstance(key, str) else key))
+            sessions = tuple(by_id[p] for p in ids if p in by_id)
             tags = self._dest.of([s.peer_id for s in sessions]) if len(sessions) > 1 else b""
             if len(self._sealers) > 1024:
                 self._sealers.clear()
-            got = self._sealers[key] = (tags, sessions)
+            got = self._sealers[key] = (tags, sessions, len(ids) - len(sessions))
         return got
 
-    def _seal(
-        self, sealer: tuple[bytes, tuple[Session, ...]], head: Buffer, payload: Buffer, local: bool
-    ) -> bytes:
+    def _seal(self, sealer: _Sealer, head: Buffer, payload: Buffer, local: bool) -> bytes:
         """The MAC frame of one packet for the sessions of ``sealer``."""
-        tags, sessions = sealer
+        tags, sessions, missing = sealer
+        if missing:
+            self.unkeyed += missing  # those peers drop it: they hold no tag of ours
         if len(sessions) == 1:
             s = sessions[0]
             return (s.token_out if local else s.send.sign(head, payload)) + self._kid
         if not sessions:
-            self.unkeyed += 1
-            return self._kid  # every receiver drops it (mac_size): it holds no tag of ours
+            return self._kid  # every receiver drops it (mac_size)
         if local:
             return b"".join((tags, *(s.token_out for s in sessions), self._kid))
         return b"".join((tags, *(s.send.sign(head, payload) for s in sessions), self._kid))
@@ -405,7 +410,7 @@ class WireCodec:
         out: list[list[Buffer]] = [first]
         sealer = self._sealer(dst)
         sessions = sealer[1]
-        if len(sessions) == 1:  # the common case, without the general call per packet
+        if len(sessions) == 1 and not sealer[2]:  # the common case, without the general call
             s, kid = sessions[0], self._kid
             if local:
                 frame = s.token_out + kid
@@ -534,15 +539,16 @@ class WireCodec:
         one = size == sig + FINGERPRINT_BYTES
         tag = mac[:sig] if one else tag_in(mac, sig, self._dest.own)
         if tag is None:
-            self._reject("mac_size", session.peer_id)
+            k, rest = divmod(size - FINGERPRINT_BYTES, sig + TAG_BYTES)
+            # a well-formed frame for others (e.g. our previous life on this address)
+            self._reject("destination" if not rest and k >= 2 else "mac_size", session.peer_id)
             return None
         # a sender that did not know the channel is local signed it: that is fine too
         ok = (local and hmac.compare_digest(tag, session.token_in)) or session.recv.verify(
             head, payload, tag
         )
-        if not ok:
+        if not ok:  # corrupted, forged, or a bound member's packet for another peer
             self._reject("mac", session.peer_id)
-            self._note_suspect("mac", head, True)
             return None
         return session
 

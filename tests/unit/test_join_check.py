@@ -19,12 +19,23 @@ from gossipnet.runtime import _join_check
 from gossipnet.runtime import join as _join
 from gossipnet.runtime.kinds import NodeKind
 from gossipnet.transport import check_peer_address
+from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import Suspect, WireCodec
 
+#: What a node takes under the run key: its HELLO (the runtime's introduction).
+INTRO = frozenset({NodeKind.HELLO})
 
-def hello(secret: bytes, src: str, addr: str, **config: object) -> list[object]:
+
+def receiver(secret: bytes, clock: FakeClock | None = None, **config: object) -> WireCodec:
+    """A codec that takes HELLOs as introductions, as a node's does."""
+    cfg = Config(**config)  # type: ignore[arg-type]
+    return WireCodec(secret, cfg, "a", clock=clock or FakeClock(), intro_kinds=INTRO)
+
+
+def hello(secret: bytes, src: str, addr: str, **config: object) -> list[Buffer]:
+    """A HELLO (an introduction: signed with the run key) from a codec made so."""
     codec = WireCodec(secret, Config(**config), src)  # type: ignore[arg-type]
-    return list(codec.encode(NodeKind.HELLO, {"addr": addr}))
+    return list(codec.encode(NodeKind.HELLO, {"addr": addr}, intro=True))
 
 
 @pytest.fixture
@@ -36,30 +47,48 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 # ----------------------------------------------------------------------------- wire
 @pytest.mark.parametrize(
-    ("theirs", "reason", "same_key", "run"),
+    ("theirs", "reject", "reason", "same_key", "run"),
     [
-        ({"secret": b"two"}, "mac", False, "gossipnet"),
-        ({"run": "other"}, "mac", False, "other"),  # another run: another key
-        ({"mac": "hmac-sha256"}, "mac_size", True, "gossipnet"),  # 24-byte frame, ours 36
+        # another secret or run: another run key, whose fingerprint is no key id of ours
+        ({"secret": b"two"}, "unknown_key", "mac", False, "gossipnet"),
+        ({"run": "other"}, "unknown_key", "mac", False, "other"),
+        # our run key's fingerprint, a 24-byte frame where ours are 36
+        ({"mac": "hmac-sha256"}, "mac_size", "mac_size", True, "gossipnet"),
     ],
 )
 def test_rejected_packet_records_what_its_sender_claims(
-    theirs: dict[str, object], reason: str, same_key: bool, run: str
+    theirs: dict[str, object], reject: str, reason: str, same_key: bool, run: str
 ) -> None:
-    ours = WireCodec(b"one", Config(), "a", clock=FakeClock())
+    ours = receiver(b"one")
     secret = theirs.pop("secret", b"one")
     frames = hello(secret, "b", "tcp://10.0.0.2:7000", **theirs)  # type: ignore[arg-type]
     assert ours.decode(frames) is None
-    assert ours.rejects[reason] == 1
+    assert ours.rejects == {reject: 1}
     assert list(ours.suspects.values()) == [
         Suspect(src="b", addr="tcp://10.0.0.2:7000", run=run, reason=reason, same_key=same_key)
     ]
 
 
+def test_an_unknown_keys_packet_is_a_suspect_only_as_an_introduction() -> None:
+    """A packet under a key id we do not know is dropped either way; only one claiming
+    an introduction kind names a suspect: any other may be a member's own packet that
+    overtook its introduction (routine), not a misconfigured peer."""
+    ours = receiver(b"one")
+    member = WireCodec(b"one", Config(), "b")
+    member.bind("a", ours.epoch, ours.identity.public)  # it knows us, we do not know it
+    other = WireCodec(b"two", Config(), "c")
+    other.bind("a", ours.epoch, ours.identity.public)
+    for codec in (member, other):
+        frames = codec.encode(NodeKind.HEARTBEAT, {"addr": f"tcp://h:{codec.src}"}, dst="a")
+        assert ours.decode(frames) is None
+    assert ours.rejects == {"unknown_key": 2}
+    assert not ours.suspects
+
+
 def test_same_key_with_a_bad_tag_is_told_apart() -> None:
     """hmac-sha256 and blake2b frames are the same length: the key fingerprint
     matches (same secret and run) and only the tag fails."""
-    ours = WireCodec(b"k", Config(mac="blake2b"), "a", clock=FakeClock())
+    ours = receiver(b"k", mac="blake2b")
     assert ours.decode(hello(b"k", "b", "tcp://h:1", mac="hmac-sha256")) is None
     (suspect,) = ours.suspects.values()
     assert (suspect.reason, suspect.same_key) == ("mac", True)
@@ -67,12 +96,12 @@ def test_same_key_with_a_bad_tag_is_told_apart() -> None:
 
 def test_suspects_are_bounded_rate_limited_and_never_accepted() -> None:
     clock = FakeClock()
-    ours = WireCodec(b"one", Config(), "a", clock=clock)
+    ours = receiver(b"one", clock)
     for i in range(20):
         assert ours.decode(hello(b"two", f"x{i}", f"tcp://h:{i + 1}")) is None
         assert ours.decode(hello(b"two", f"y{i}", "tcp://h:9")) is None  # same instant
         clock.advance(0.02)
-    assert ours.rejects["mac"] == 40
+    assert ours.rejects == {"unknown_key": 40}
     assert ours.accepted == 0
     # one parse per 10 ms: the y packets, 0 s after an x, were not parsed
     assert [s.src for s in ours.suspects.values()] == [f"x{i}" for i in range(12, 20)]
@@ -80,13 +109,17 @@ def test_suspects_are_bounded_rate_limited_and_never_accepted() -> None:
 
 def test_suspect_claims_are_cut_short_and_odd_headers_kept_as_unknown() -> None:
     clock = FakeClock()
-    ours = WireCodec(b"one", Config(), "a", clock=clock)
+    ours = receiver(b"one", clock)
     assert ours.decode(hello(b"two", "b" * 500, "tcp://h:1")) is None
     clock.advance(1)
-    assert ours.decode([b"\xc1not msgpack", b"", bytes(ours.mac_bytes)]) is None
+    # our run key's fingerprint (an introduction's frame) with a bad tag: a suspect
+    # whatever its header, which here does not parse
+    fp = bytes(hello(b"one", "c", "tcp://h:2")[2])[-8:]
+    assert ours.decode([b"\xc1not msgpack", b"", bytes(ours.mac_bytes - 8) + fp]) is None
+    assert ours.rejects == {"unknown_key": 1, "mac": 1}
     first, second = ours.suspects.values()
     assert first.src == "b" * 128
-    assert (second.src, second.addr, second.run) == (None, None, None)
+    assert (second.src, second.addr, second.run, second.same_key) == (None, None, None, True)
 
 
 # ----------------------------------------------------------------------------- text

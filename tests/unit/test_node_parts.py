@@ -18,10 +18,11 @@ import pytest
 
 from gossipnet import Config, FakeClock, FaultPlan
 from gossipnet.runtime.dispatch import PacketIO
+from gossipnet.runtime.kinds import NodeKind
 from gossipnet.runtime.membership import Membership
 from gossipnet.runtime.membership_protocol import MembershipProtocol
 from gossipnet.runtime.reliable import Reliable
-from gossipnet.testing import MemoryNetwork
+from gossipnet.testing import MemoryNetwork, introduce
 from gossipnet.transport import create_transport
 from gossipnet.transport.wire import Packet, WireCodec
 
@@ -38,8 +39,10 @@ async def _bound_io(
     clock: FakeClock,
     faults: FaultPlan | None = None,
 ) -> PacketIO:
-    """A PacketIO listening on ``mem://<name>``, its transport started (no membership)."""
-    io = PacketIO(name, clock, WireCodec(SECRET, config, name, clock=clock))
+    """A PacketIO listening on ``mem://<name>``, its transport started (no membership);
+    its codec takes HELLOs as introductions, as a node's does."""
+    codec = WireCodec(SECRET, config, name, clock=clock, intro_kinds=frozenset({NodeKind.HELLO}))
+    io = PacketIO(name, clock, codec)
     io.transport = create_transport(
         f"mem://{name}", config, clock=clock, faults=faults, network=network
     )
@@ -48,10 +51,12 @@ async def _bound_io(
 
 
 def _know_each_other(a: PacketIO, b: PacketIO, now: float) -> None:
-    """Give each side a Membership in which the other is alive (no protocol)."""
+    """Bind each side's codec to the other's key and give each a Membership in which
+    the other is alive (no protocol: what a completed handshake leaves)."""
+    introduce(a.codec, b.codec)
     for me, other in ((a, b), (b, a)):
         me.membership = Membership(me.peer_id, me.address, failure_timeout_s=60.0)
-        me.membership.heard_from(other.peer_id, 1, other.address, now)
+        me.membership.heard_from(other.peer_id, other.codec.epoch, other.address, now)
 
 
 @contextlib.asynccontextmanager
@@ -112,10 +117,20 @@ def test_packet_io_dispatches_by_kind_and_counts_the_unhandled(
 def test_packet_io_refuses_to_send_before_it_knows_anyone_and_after_close(
     run_async: Callable[..., Any], fast_config: Config
 ) -> None:
+    """Nothing goes to a peer without its address and key (it would drop a packet we
+    hold no pair key for, so none is sent and ``unkeyed`` counts it), except an
+    introduction; nothing at all after close."""
+
     async def main() -> None:
         clock = FakeClock()
         async with _pair(fast_config, clock) as (a, b):
             assert not a.send("b", DATA_KIND)  # no membership yet
+            a.membership = Membership("a", a.address, failure_timeout_s=60.0)
+            a.membership.heard_from("b", b.codec.epoch, b.address, clock.now())
+            assert not a.send("b", DATA_KIND)  # an address but no key: b would drop it
+            assert not a.send_to_address(b.address, DATA_KIND, dst="b")
+            assert a.codec.unkeyed == 2
+            assert a.send_to_address(b.address, NodeKind.HELLO, intro=True)  # needs no key
             _know_each_other(a, b, clock.now())
             assert a.send("b", DATA_KIND)
             a.closed = True
@@ -195,8 +210,8 @@ def test_membership_protocol_alone_finds_peers_and_waits_for_them(
     run_async: Callable[..., Any], fast_config: Config, drive: Any
 ) -> None:
     """Two PacketIOs with a MembershipProtocol each (no Reliable, no Node): HELLOs to
-    the bootstrap address and heartbeats make each see the other alive, and beacons
-    ride on the heartbeats."""
+    the bootstrap address (introductions: each binds the other's key) and heartbeats
+    make each see the other alive, and beacons ride on the heartbeats."""
 
     async def main() -> None:
         clock = FakeClock()
@@ -214,6 +229,9 @@ def test_membership_protocol_alone_finds_peers_and_waits_for_them(
                 assert await drive(clock, ma.wait_for_peers(2, 2.0)) is True
                 assert await drive(clock, mb.wait_for_peers(2, 2.0)) is True
                 assert ma.alive_peers() == mb.alive_peers() == ["a", "b"]
+                # the HELLOs (introductions) bound each side to the other's own key
+                assert a.codec.keys.by_id["b"].public == b.codec.identity.public
+                assert b.codec.keys.by_id["a"].public == a.codec.identity.public
                 assert await drive(clock, ma.wait_for_peers(3, 0.3)) is False
                 assert 7 in beacons
             finally:

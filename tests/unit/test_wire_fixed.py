@@ -1,8 +1,10 @@
 """The fixed binary header of data packets: its byte layout, every check, batches.
 
 Headers are built here from the layout in ``transport/_data_header.py``'s docstring
-(not through the codec) and signed with ``test_wire.sign``, so each check after
-authentication is reached with a header of our choosing.
+(not through the codec) and signed with a bound member's pair key
+(``test_wire.forged``), so each check after authentication is reached with a
+header of our choosing.  Under the run key (an introduction) a data header is
+never taken.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.config import Config
 from gossipnet.runtime.kinds import NodeKind
+from gossipnet.testing import introduce
 from gossipnet.transport import _data_header as fixed
 from gossipnet.transport.wire import Packet
-from tests.unit.test_wire import codec, sign
+from tests.unit.test_wire import codec, forged, seal, sign
 
 LAYOUT = struct.Struct("<BBHBBBBBBHIQQQIIIId")
 RUN_TAG = int.from_bytes(hashlib.blake2b(b"gossipnet", digest_size=4).digest(), "little")
@@ -29,7 +32,7 @@ DATA = {"r": 7, "m": 2, "L": 0xDEADBEEF, "b": 1, "c": 5, "dt": "f32", "n": 4, "w
 def spec_header(**kw: Any) -> bytes:
     """A fixed header from the documented layout; ``kw`` overrides its fields."""
     f: dict[str, Any] = {
-        "magic": 0xC1, "version": 2, "kind": int(LossyKind.RS_DATA), "mode": 2, "dt": 0,
+        "magic": 0xC1, "version": 3, "kind": int(LossyKind.RS_DATA), "mode": 2, "dt": 0,
         "x": 0, "flags": 1, "src": b"x", "tags": b"", "run": RUN_TAG, "epoch": 1, "seq": 0,
         "r": 7, "L": 9, "b": 0, "c": 3, "n": 2, "w": 1.0, "src_len": None, "ndst": None,
     }  # fmt: skip
@@ -53,6 +56,7 @@ def test_layout_is_the_documented_one() -> None:
 def test_data_fields_travel_in_the_fixed_header(mac: str) -> None:
     cfg = Config(mac=mac)
     tx, rx = codec("a", cfg=cfg), codec("b", cfg=cfg)
+    introduce(tx, rx)
     payload = torch.arange(4, dtype=torch.float32).numpy().tobytes()
     frames = tx.encode(LossyKind.RS_DATA, {**DATA, "x": 3}, payload, dst="b")
     assert bytes(frames[0])[0] == fixed.MAGIC
@@ -80,6 +84,7 @@ def test_parity_fields_travel_in_the_fixed_header() -> None:
     """A parity packet's fields (``g``, ``gs``; no chunk, dtype or ``x``) come out
     as sent, over the full path and the fast one (a drain after the first)."""
     tx, rx = codec("a"), codec("b")
+    introduce(tx, rx)
     payload = bytes(range(16))
     no_w = {k: v for k, v in PARITY.items() if k != "w"}
     sent = [
@@ -112,9 +117,11 @@ def test_parity_fields_travel_in_the_fixed_header() -> None:
     ],
 )
 def test_parity_fields_that_do_not_fit_go_in_msgpack(fields: dict[str, Any]) -> None:
-    frames = codec("a").encode(LossyKind.RS_DATA, fields, b"x" * 16, dst="b")
+    tx, rx = codec("a"), codec("b")
+    introduce(tx, rx)
+    frames = tx.encode(LossyKind.RS_DATA, fields, b"x" * 16, dst="b")
     assert bytes(frames[0])[0] != fixed.MAGIC
-    pkt = codec("b").decode(frames)
+    pkt = rx.decode(frames)
     assert pkt is not None
     assert pkt.fields == fields
 
@@ -123,7 +130,7 @@ def test_a_spec_parity_header_is_accepted() -> None:
     """Built from the documented layout: flags bit 4, ``chunk`` = g, ``x`` = gs, u8."""
     rx = codec("b")
     head = spec_header(flags=fixed.HAS_G, c=5, x=7, dt=fixed.DTYPE_ORDER.index("u8"), n=8)
-    pkt = rx.decode(sign(head, b"x" * 8))
+    pkt = rx.decode(forged(rx, head, b"x" * 8))
     assert pkt is not None
     assert pkt.fields == {"r": 7, "m": 2, "L": 9, "b": 0, "g": 5, "gs": 7, "n": 8}
 
@@ -143,61 +150,84 @@ def test_a_spec_parity_header_is_accepted() -> None:
     ],
 )
 def test_fields_that_do_not_fit_go_in_msgpack(fields: dict[str, Any]) -> None:
-    frames = codec("a").encode(LossyKind.RS_DATA, fields, b"x" * 16, dst="b")
+    tx, rx = codec("a"), codec("b")
+    introduce(tx, rx)
+    frames = tx.encode(LossyKind.RS_DATA, fields, b"x" * 16, dst="b")
     assert bytes(frames[0])[0] != fixed.MAGIC
-    rx = codec("b")
     pkt = rx.decode(frames)
-    if pkt is not None:  # the msgpack path applies its own checks (dtype, count)
+    if fields["dt"] == "f128":  # the msgpack path applies its own checks
+        assert pkt is None
+        assert rx.rejects == {"dtype": 1}
+    else:
+        assert pkt is not None
         assert pkt.fields == fields
 
 
 def test_the_spec_header_is_accepted() -> None:
+    """A header of the documented layout under a bound member's pair key; naming no
+    destination, it is still for us alone (only we can check its tag)."""
     rx = codec("b")
-    pkt = rx.decode(sign(spec_header(), b"x" * 8))
+    pkt = rx.decode(forged(rx, spec_header(), b"x" * 8))
     assert pkt is not None
     assert pkt.fields == {"r": 7, "m": 2, "L": 9, "b": 0, "c": 3, "dt": "f32", "n": 2, "w": 1.0}
-    assert not pkt.directed
+    assert (pkt.src, pkt.epoch, pkt.directed, pkt.fresh) == ("x", 1, True, True)
 
 
-def _own_tag() -> bytes:
-    return codec("b")._own_tag
+def test_a_data_header_is_never_an_introduction() -> None:
+    """Under the run key a fixed header is ``not_member``, even of an introduction
+    kind, before any of its fields is read; and member m cannot sign one as x."""
+    rx = codec("b", intro_kinds=frozenset({int(LossyKind.RS_DATA), 1}))
+    for head in (spec_header(), spec_header(kind=1), spec_header(version=9), b"\xc1"):
+        assert rx.decode(sign(head, b"x" * 8)) is None
+    assert rx.rejects == {"not_member": 4}
+    x, m = codec("x", epoch=1), codec("m")
+    introduce(x, m, rx)
+    assert rx.decode(seal(m, rx, spec_header(), b"x" * 8)) is None
+    assert rx.rejects == {"not_member": 4, "impersonation": 1}
+    assert rx.decode(seal(x, rx, spec_header(), b"x" * 8)) is not None
 
 
-FIXED_REJECTS: list[tuple[str, Any, str]] = [
-    ("short", lambda: sign(spec_header()[:40], b"x" * 8), "header_parse"),
-    ("version 3", lambda: sign(spec_header(version=3), b"x" * 8), "version"),
-    ("version 1", lambda: sign(spec_header(version=1), b"x" * 8), "version"),
-    ("other run", lambda: sign(spec_header(run=RUN_TAG ^ 1), b"x" * 8), "run"),
-    ("src length", lambda: sign(spec_header(src_len=3), b"x" * 8), "header_parse"),
-    ("tag count", lambda: sign(spec_header(ndst=2), b"x" * 8), "header_parse"),
-    ("trailing", lambda: sign(spec_header() + b"\0", b"x" * 8), "header_parse"),
-    ("empty src", lambda: sign(spec_header(src=b""), b"x" * 8), "header_fields"),
-    ("src not utf-8", lambda: sign(spec_header(src=b"\xff"), b"x" * 8), "header_fields"),
-    ("epoch > int64", lambda: sign(spec_header(epoch=1 << 63), b"x" * 8), "header_fields"),
-    ("seq > int64", lambda: sign(spec_header(seq=1 << 63), b"x" * 8), "header_fields"),
-    ("own id", lambda: sign(spec_header(src=b"b"), b"x" * 8), "own_packet"),
-    ("other dst", lambda: sign(spec_header(flags=5, tags=b"abcd"), b"x" * 8), "destination"),
-    ("no dst tags", lambda: sign(spec_header(flags=5), b"x" * 8), "destination"),
-    ("dtype index", lambda: sign(spec_header(dt=7), b"x" * 8), "dtype"),
-    ("count", lambda: sign(spec_header(n=3), b"x" * 8), "count"),
-    ("count f64", lambda: sign(spec_header(dt=3, n=2), b"x" * 8), "count"),
-    ("future epoch", lambda: sign(spec_header(epoch=(1 << 63) - 1), b"x" * 8), "future_epoch"),
-    ("seq range", lambda: sign(spec_header(seq=(1 << 62)), b"x" * 8), "seq_range"),
+_FAR = (1 << 63) - 1  # an epoch far in the future (within int64)
+#: (name, header, reason, the epoch its signer is bound with): each header signed by a
+#: bound member ``x`` for a payload of 8 bytes, each failing one check after the MAC.
+FIXED_REJECTS: list[tuple[str, bytes, str, int]] = [
+    ("short", spec_header()[:40], "header_parse", 1),
+    ("version 4", spec_header(version=4), "version", 1),
+    ("version 2", spec_header(version=2), "version", 1),
+    ("other run", spec_header(run=RUN_TAG ^ 1), "run", 1),
+    ("src length", spec_header(src_len=3), "header_parse", 1),
+    ("tag count", spec_header(ndst=2), "header_parse", 1),
+    ("trailing", spec_header() + b"\0", "header_parse", 1),
+    ("empty src", spec_header(src=b""), "header_fields", 1),
+    ("src not utf-8", spec_header(src=b"\xff"), "header_fields", 1),
+    ("epoch > int64", spec_header(epoch=1 << 63), "header_fields", 1),
+    ("seq > int64", spec_header(seq=1 << 63), "header_fields", 1),
+    ("own id", spec_header(src=b"b"), "own_packet", 1),
+    ("other src", spec_header(src=b"y"), "impersonation", 1),
+    ("other epoch", spec_header(epoch=2), "epoch_mismatch", 1),
+    ("other dst", spec_header(flags=5, tags=b"abcd"), "destination", 1),
+    ("no dst tags", spec_header(flags=5), "destination", 1),
+    ("dtype index", spec_header(dt=7), "dtype", 1),
+    ("count", spec_header(n=3), "count", 1),
+    ("count f64", spec_header(dt=3, n=2), "count", 1),
+    ("future epoch", spec_header(epoch=_FAR), "future_epoch", _FAR),
+    ("seq range", spec_header(seq=(1 << 62)), "seq_range", 1),
 ]
 
 
 @pytest.mark.parametrize(
-    ("frames", "reason"), [r[1:] for r in FIXED_REJECTS], ids=[r[0] for r in FIXED_REJECTS]
+    ("head", "reason", "epoch"), [r[1:] for r in FIXED_REJECTS], ids=[r[0] for r in FIXED_REJECTS]
 )
-def test_fixed_rejected_and_counted(frames: Any, reason: str) -> None:
+def test_fixed_rejected_and_counted(head: bytes, reason: str, epoch: int) -> None:
     rx = codec("b")
-    assert rx.decode(frames()) is None
+    assert rx.decode(forged(rx, head, b"x" * 8, epoch=epoch)) is None
     assert rx.rejects == {reason: 1}
     assert rx.accepted == 0
 
 
 def test_fixed_header_is_authenticated_and_replay_checked() -> None:
     tx, rx = codec("a"), codec("b")
+    introduce(tx, rx)
     frames = [bytes(f) for f in tx.encode(LossyKind.RS_DATA, DATA, b"x" * 16, dst="b")]
     assert rx.decode(frames) is not None
     assert rx.decode(frames) is None  # the same packet again
@@ -211,26 +241,37 @@ def test_fixed_header_is_authenticated_and_replay_checked() -> None:
 
 
 def test_destination_tag_of_a_group() -> None:
-    tx = codec("a")
+    """A fixed header for b and c: both take it; d, bound to a, finds no tag of its
+    own, and a header naming b and c under a's key for d is not for d either."""
+    tx, b, c, d = codec("a"), codec("b"), codec("c"), codec("d")
+    introduce(tx, b, c, d)
     frames = tx.encode(LossyKind.AG_DATA, DATA, b"x" * 16, dst=["b", "c"])
-    assert codec("c").decode(frames) is not None
-    d = codec("d")
+    assert b.decode(frames) is not None
+    assert c.decode(frames) is not None
     assert d.decode(frames) is None
     assert d.rejects == {"destination": 1}
+    assert d.decode(seal(tx, d, bytes(frames[0]), b"x" * 16)) is None
+    assert d.rejects == {"destination": 2}
 
 
 def test_control_packets_stay_msgpack() -> None:
-    frames = codec("a").encode(NodeKind.HELLO, {"addr": "mem://a"}, b"", dst="b")
-    assert bytes(frames[0])[0] & 0xF0 == 0x80  # a msgpack fixmap
-    assert codec("b").decode(frames) is not None
+    tx, rx = codec("a"), codec("b")
+    introduce(tx, rx)
+    for frames in (
+        tx.encode(NodeKind.HEARTBEAT, {"addr": "mem://a"}, b"", dst="b"),
+        tx.encode(NodeKind.HELLO, {"addr": "mem://a"}, b"", intro=True),
+    ):
+        assert bytes(frames[0])[0] & 0xF0 == 0x80  # a msgpack fixmap
+        assert rx.decode(frames) is not None
 
 
 @pytest.mark.parametrize("local", [False, True])
 def test_encode_run_gives_the_packets_encode_gives(local: bool) -> None:
     """``encode_run`` (one checked header, the rest repacked) against ``encode`` per
-    packet: the same headers but the sequence numbers, each accepted by the receiver
-    with its own fields and payload, a MAC of its own."""
-    tx, ref, rx = codec("a"), codec("a"), codec("b")
+    packet: the same headers but the sequence numbers, each accepted by both receivers
+    with its own fields and payload, a MAC (or local token) of its own per receiver."""
+    tx, ref, rx, other = codec("a"), codec("a"), codec("b"), codec("c")
+    introduce(tx, rx, other)
     ref.epoch = tx.epoch
     common = {"r": 7, "m": 2, "L": 0xDEADBEEF, "dt": "f32", "w": 0.5, "x": 3}
     rows = [(0, 3, 2), (1, 9, 2), (4, 0, 1)]
@@ -243,10 +284,11 @@ def test_encode_run_gives_the_packets_encode_gives(local: bool) -> None:
                           local=local, dst=["b", "c"])  # fmt: skip
         assert bytes(frames[0]) == bytes(want[0])  # same seq: both codecs count from 0
         assert bytes(frames[1]) == bytes(pl)
-        pkt = rx.decode(frames, local=local)
-        assert isinstance(pkt, Packet)
-        assert (pkt.fields["b"], pkt.fields["c"], pkt.fields["n"]) == (b, c, n)
-        assert bytes(pkt.payload) == bytes(pl)
+        for receiver in (rx, other):
+            pkt = receiver.decode(frames, local=local)
+            assert isinstance(pkt, Packet)
+            assert (pkt.fields["b"], pkt.fields["c"], pkt.fields["n"]) == (b, c, n)
+            assert bytes(pkt.payload) == bytes(pl)
     assert rx.decode(run[1], local=local) is None  # a replay of the second: dropped
     assert rx.rejects["replay"] == 1
 
@@ -256,6 +298,7 @@ def test_encode_run_of_parity_packets(gs: int) -> None:
     """``chunk_key="g"``: a stream's parity packets as one run, the same packets
     ``encode`` makes one by one (fixed header where ``gs`` fits, msgpack where not)."""
     tx, ref, rx = codec("a"), codec("a"), codec("b")
+    introduce(tx, rx)
     ref.epoch = tx.epoch
     common = {"r": 7, "m": 2, "L": 9, "w": 0.5, "gs": gs}
     rows = [(1, 0, 8), (1, 1, 8), (1, 2, 4)]
@@ -274,6 +317,7 @@ def test_encode_run_of_parity_packets(gs: int) -> None:
 
 def test_encode_run_checks_the_run_once_and_falls_back_to_msgpack() -> None:
     tx, rx = codec("a"), codec("b")
+    introduce(tx, rx)
     common = {"r": 7, "m": 2, "L": 1, "dt": "f32"}
     with pytest.raises(ValueError, match="rows"):
         tx.encode_run(LossyKind.RS_DATA, common, [(0, 0, 1)], [], dst="b")
