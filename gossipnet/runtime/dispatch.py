@@ -141,8 +141,8 @@ class PacketIO:
         Why: between processes of one user on one host the payload's MAC proves
         nothing (``WireCodec.decode``), and it is a sixth of the all-reduce's CPU
         there.  One remote destination among them and the packet is signed.
-        The packet names every one of ``peer_ids`` as its destination: send these
-        frames to those peers only (any other drops them as ``destination``).
+        The packet carries a tag for each of ``peer_ids`` under our pair key: send
+        these frames to those peers only (any other drops them).
         """
         local, dst = self._destination(peer_ids)
         return self.codec.encode(kind, fields, payload, local=local, dst=dst)

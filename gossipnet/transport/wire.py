@@ -64,7 +64,7 @@ from gossipnet.transport._rejects import RejectLog, Suspect
 from gossipnet.transport._replay import INT64_MAX, ReplayWindow
 from gossipnet.transport.base import Buffer, LocalFrames
 from gossipnet.transport.identity import KEY_ID_BYTES, Identity, Keyring, Session
-from gossipnet.transport.mac import make_signer
+from gossipnet.transport.mac import make_signer, sign_each
 
 __all__ = (
     "DTYPES",
@@ -285,7 +285,7 @@ class WireCodec:
             return self._kid  # every receiver drops it (mac_size)
         if local:
             return b"".join((tags, *(s.token_out for s in sessions), self._kid))
-        return b"".join((tags, *(s.send.sign(head, payload) for s in sessions), self._kid))
+        return b"".join((tags, *sign_each([s.send for s in sessions], head, payload), self._kid))
 
     # ------------------------------------------------------------------ encode
     def encode(
@@ -353,6 +353,12 @@ class WireCodec:
         if intro:
             return [head, payload, self._signer.sign(head, payload) + self._fingerprint]
         assert dst is not None
+        if type(dst) is str and (one := self.keys.by_id.get(dst)) is not None:  # the usual
+            return [
+                head,
+                payload,
+                (one.token_out if local else one.send.sign(head, payload)) + self._kid,
+            ]
         return [head, payload, self._seal(self._sealer(dst), head, payload, local)]
 
     def encode_run(
@@ -513,6 +519,26 @@ class WireCodec:
         """Authenticate: the sender's session, True for a valid introduction, or None
         (rejected and counted)."""
         size, sig = len(mac), self._sig
+        session = self.keys.by_kid.get(bytes(mac[-FINGERPRINT_BYTES:]))
+        if session is None or size < FINGERPRINT_BYTES:
+            return self._open_unbound(head, payload, mac)
+        tag = mac[:sig] if size == sig + FINGERPRINT_BYTES else tag_in(mac, sig, self._dest.own)
+        if tag is None:
+            k, rest = divmod(size - FINGERPRINT_BYTES, sig + TAG_BYTES)
+            # a well-formed frame for others (e.g. our previous life on this address)
+            self._reject("destination" if not rest and k >= 2 else "mac_size", session.peer_id)
+            return None
+        # a sender that did not know the channel is local signed it: that is fine too
+        if (local and hmac.compare_digest(tag, session.token_in)) or session.recv.verify(
+            head, payload, tag
+        ):
+            return session
+        self._reject("mac", session.peer_id)  # corrupted, forged, or meant for another peer
+        return None
+
+    def _open_unbound(self, head: memoryview, payload: memoryview, mac: memoryview) -> bool | None:
+        """:meth:`_open` of a frame under no bound key: an introduction (True), or None."""
+        size, sig = len(mac), self._sig
         if size < FINGERPRINT_BYTES:
             self._reject("mac_size", None)
             self._note_suspect("mac_size", head, False)
@@ -528,29 +554,12 @@ class WireCodec:
                 self._note_suspect("mac", head, True)
                 return None
             return True
-        session = self.keys.by_kid.get(kid)
-        if session is None:  # another secret, or a member whose introduction we lack
-            if kid == self._kid:
-                self._reject("own_packet", self.src)  # reflected back to us
-                return None
-            self._reject("unknown_key", None)
-            self._note_suspect("mac", head, False, self.intro_kinds)
+        if kid == self._kid:
+            self._reject("own_packet", self.src)  # reflected back to us
             return None
-        one = size == sig + FINGERPRINT_BYTES
-        tag = mac[:sig] if one else tag_in(mac, sig, self._dest.own)
-        if tag is None:
-            k, rest = divmod(size - FINGERPRINT_BYTES, sig + TAG_BYTES)
-            # a well-formed frame for others (e.g. our previous life on this address)
-            self._reject("destination" if not rest and k >= 2 else "mac_size", session.peer_id)
-            return None
-        # a sender that did not know the channel is local signed it: that is fine too
-        ok = (local and hmac.compare_digest(tag, session.token_in)) or session.recv.verify(
-            head, payload, tag
-        )
-        if not ok:  # corrupted, forged, or a bound member's packet for another peer
-            self._reject("mac", session.peer_id)
-            return None
-        return session
+        self._reject("unknown_key", None)  # another secret, or an introduction we lack
+        self._note_suspect("mac", head, False, self.intro_kinds)
+        return None
 
     def _check_sender(self, src: str, epoch: int, kind: int, session: Session | bool) -> bool:
         """The authenticated key is ``src``'s of incarnation ``epoch``; an introduction
@@ -656,7 +665,12 @@ class WireCodec:
         if src == self.src:
             self._reject("own_packet", src)
             return None
-        if not self._check_sender(src, epoch, kind, session):
+        assert isinstance(session, Session)
+        if src != session.peer_id:
+            self._reject("impersonation", session.peer_id)
+            return None
+        if epoch != session.epoch:
+            self._reject("epoch_mismatch", src)
             return None
         directed = bool(flags & _fixed.HAS_DST)
         if directed:
