@@ -134,8 +134,10 @@ class Exchange:
         self._expect = 0
         #: sources whose message for the running collective is larger than expected
         self._oversized: set[str] = set()
-        #: bytes held in inboxes, payload plus PART_OVERHEAD per part
+        #: bytes held in inboxes, payload plus PART_OVERHEAD per part; of them, the
+        #: running collective's (the rest is what the cap bounds)
         self._buffered = 0
+        self._running_bytes = 0
         #: parts received / sent, malformed parts, parts refused (``dropped_<reason>``)
         self.counters = {"parts_in": 0, "parts_out": 0, "malformed": 0} | {
             f"dropped_{r}": 0 for r in DROP_REASONS
@@ -204,7 +206,7 @@ class Exchange:
         elif count > _parts_for(self.max_buffered_bytes):
             self._drop("count", src, op)  # a message that could never fit under the cap
             return
-        elif self._buffered + size + PART_OVERHEAD > self.max_buffered_bytes:
+        elif self._buffered - self._running_bytes + size + PART_OVERHEAD > self.max_buffered_bytes:
             self._drop("over_cap", src, op)
             return
         if box is None:
@@ -213,6 +215,8 @@ class Exchange:
         box.parts[index] = bytes(payload)
         box.nbytes += size
         self._buffered += size + PART_OVERHEAD
+        if op == self._running:
+            self._running_bytes += size + PART_OVERHEAD
         if box.complete():
             self._arrived.set()
 
@@ -303,13 +307,18 @@ class Exchange:
         self._running = op
         self._expect = expect
         self._oversized.clear()
+        self._running_bytes = 0
         for (o, src), box in self._inboxes.items():
-            if o == op and (box.count > _parts_for(expect) or box.nbytes > expect):
+            if o != op:
+                continue
+            self._running_bytes += box.nbytes + PART_OVERHEAD * len(box.parts)
+            if box.count > _parts_for(expect) or box.nbytes > expect:
                 self._oversized.add(src)
 
     def _finish(self, op: int) -> None:
         """Collective ``op`` is over: free its inboxes (and any older), refuse its parts."""
         self._running = None
+        self._running_bytes = 0
         self._oversized.clear()
         self._floor = max(self._floor, op + 1)
         for key in [k for k in self._inboxes if k[0] <= op]:

@@ -137,6 +137,10 @@ class ProcessGroupGossipnet(UnsupportedCalls, dist.ProcessGroup):
         """The newest lossy all-reduce's report, or None before the first."""
         return self.reports[-1] if self.reports else None
 
+    def exchange_counters(self) -> dict[str, int]:
+        """The exact collectives' part counters (:attr:`Exchange.counters`), a copy."""
+        return dict(self._exchange.counters)
+
     # ------------------------------------------------------------------ running
     def _launch(self, op: str, body: Callable[[], Awaitable[Any]]) -> GossipWork:
         """Run ``body()`` on the loop thread after the collectives issued before it."""

@@ -24,6 +24,7 @@ that generation (an address, the group key, a rank's public key).
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import secrets
 
@@ -47,8 +48,11 @@ __all__ = (
     "start_peer",
 )
 
+log = logging.getLogger(__name__)
+
 #: Bytes of the random per-job key rank 0 draws when no secret is given.
 KEY_BYTES = 32
+_LOOPBACK = ("127.", "localhost", "::1")
 
 
 class StoreUnusable(Exception):
@@ -182,9 +186,20 @@ def start_peer(
     """
     config = options.config or Config()
     config = config.replace(peer_id=rank_id(rank), run=f"{config.run}:pg{group}")
-    listen = f"{options.transport}://{listen_host(options)}:0"
+    host = listen_host(options)
+    listen = f"{options.transport}://{host}:0"
     gen = generation(store, rank) if world > 1 else ""
-    secret = options.secret or group_key(store, rank, world, gen, config.join_timeout_s)
+    secret = options.secret
+    if not secret:
+        secret = group_key(store, rank, world, gen, config.join_timeout_s)
+        if rank == 0 and world > 1 and not host.strip("[]").startswith(_LOOPBACK):
+            log.warning(
+                "gossipnet backend: no GOSSIPNET_SECRET; the group's random key went"
+                " through torch's store, so whoever can read that store (MASTER_ADDR:"
+                "MASTER_PORT under torchrun) can send this group gradients and objects;"
+                " set GOSSIPNET_SECRET to the same secret on every rank on a network you"
+                " do not trust"
+            )
     peer = join(
         [],
         listen,

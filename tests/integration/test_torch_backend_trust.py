@@ -199,6 +199,37 @@ def test_a_store_that_cannot_carry_the_key_stops_the_start_before_any_peer(
         start_peer(_AddOnlyStore(), rank, 2, opts, group="x", timeout=TD)
 
 
+class _Started(Exception):
+    """Raised in place of starting a peer: the test looks only at what came before."""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("host", "warned"), [("10.255.255.1", True), ("127.0.0.1", False)])
+def test_a_store_shared_key_beyond_loopback_is_said_loudly(
+    host: str, warned: bool, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whoever reads torch's store reads the key: beyond loopback rank 0 says so and
+    names GOSSIPNET_SECRET; then the peer starts with the key (32 random bytes)."""
+    keys: list[Any] = []
+
+    def started(*args: Any, secret: Any = None, **kwargs: Any) -> Peer:
+        keys.append(secret)
+        raise _Started
+
+    monkeypatch.setattr(rendezvous, "join", started)
+    opts = resolve_options(
+        GossipnetOptions(config=CONFIG, handle_sigterm=False, listen_host=host), 0, env={}
+    )
+    store = dist.HashStore()
+    logger = "gossipnet.distributed.rendezvous"
+    with caplog.at_level("WARNING", logger=logger), pytest.raises(_Started):
+        start_peer(store, 0, 2, opts, group="w", timeout=TD)
+    assert keys == [_stored_key(store, "0.1")]
+    assert len(keys[0]) == KEY_BYTES
+    said = [r.getMessage() for r in caplog.records if "GOSSIPNET_SECRET" in r.getMessage()]
+    assert bool(said) == warned, said
+
+
 @pytest.fixture
 def trio() -> Iterator[list[ProcessGroupGossipnet]]:
     store = dist.HashStore()
@@ -265,5 +296,5 @@ def test_collectives_issued_far_ahead_of_a_slow_rank_all_arrive(
         for f in futs:
             f.result(timeout=CALL_S * 3)
     for pg in trio:
-        c = pg._exchange.counters
+        c = pg.exchange_counters()
         assert (c["dropped_ahead"], c["dropped_over_cap"], c["malformed"]) == (0, 0, 0), c
