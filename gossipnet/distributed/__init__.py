@@ -80,8 +80,11 @@ def last_report(group: Any = None) -> CollectiveReport | None:
 
 
 def totals(group: Any = None) -> dict[str, int]:
-    """Counts since the group started: calls, lossy rounds, packets and chunks lost."""
-    return dict(_gossip_group(group).totals)
+    """Counts since the group started: calls, lossy rounds, packets and chunks lost, and
+    the exact collectives' parts (``exact_parts_in``, ``exact_parts_out``, and those
+    refused by reason: ``exact_dropped_not_member``, ``exact_dropped_ahead``, ...)."""
+    pg = _gossip_group(group)
+    return dict(pg.totals) | {f"exact_{k}": v for k, v in pg.exchange_counters().items()}
 
 
 def __getattr__(name: str) -> Any:

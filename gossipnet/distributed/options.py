@@ -10,7 +10,9 @@ must never give a silently different run.
 Variables (all optional):
 
 ``GOSSIPNET_SECRET``
-    the run secret keying every packet's MAC (as for :func:`gossipnet.join`).
+    the run secret keying every packet's MAC (as for :func:`gossipnet.join`); unset,
+    rank 0 draws a random key per job and the ranks share it through torch's store
+    (:mod:`gossipnet.distributed.rendezvous`).
 ``GOSSIPNET_TRANSPORT``
     ``tcp`` (ZeroMQ, default) or ``udp``.
 ``GOSSIPNET_LISTEN_HOST``
@@ -64,7 +66,8 @@ class GossipnetOptions:
     """What ``init_process_group("gossipnet", pg_options=GossipnetOptions(...))`` takes.
 
     Attributes:
-        secret: the run secret (else ``GOSSIPNET_SECRET``; else a run-id key).
+        secret: the run secret (else ``GOSSIPNET_SECRET``; else, or when empty, a random
+            per-job key that rank 0 draws and hands the others through torch's store).
         config: the peer's :class:`~gossipnet.Config` (else ``GOSSIPNET_CONFIG`` over
             the defaults).
         faults: a :class:`~gossipnet.FaultPlan` for this rank's sends (else

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
-from gossipnet.distributed.exchange import Exchange
+from gossipnet.distributed.exchange import Exchange, rank_id
 from gossipnet.distributed.options import GossipnetOptions
 from gossipnet.distributed.tensors import (
     LOSSY_DTYPES,
@@ -64,10 +64,6 @@ log = logging.getLogger(__name__)
 
 #: Reports kept per group (the newest last).
 REPORTS_KEPT = 256
-
-
-def _rank_id(rank: int) -> str:
-    return f"rank{rank}"
 
 
 class ProcessGroupGossipnet(UnsupportedCalls, dist.ProcessGroup):
@@ -141,6 +137,10 @@ class ProcessGroupGossipnet(UnsupportedCalls, dist.ProcessGroup):
         """The newest lossy all-reduce's report, or None before the first."""
         return self.reports[-1] if self.reports else None
 
+    def exchange_counters(self) -> dict[str, int]:
+        """The exact collectives' part counters (:attr:`Exchange.counters`), a copy."""
+        return dict(self._exchange.counters)
+
     # ------------------------------------------------------------------ running
     def _launch(self, op: str, body: Callable[[], Awaitable[Any]]) -> GossipWork:
         """Run ``body()`` on the loop thread after the collectives issued before it."""
@@ -170,15 +170,17 @@ class ProcessGroupGossipnet(UnsupportedCalls, dist.ProcessGroup):
     async def _exchange_all(
         self, seq: int, data: bytes, *, excuse_dead: bool, to: Sequence[int] | None = None
     ) -> dict[int, bytes]:
-        """Send ``data`` to ranks ``to`` (default all others), hear from every other rank."""
+        """Send ``data`` to ranks ``to`` (default all others), hear from every other rank
+        a message of ``len(data)`` bytes (every rank passes the same shapes)."""
         me, world = self.rank(), self.size()
         others = [r for r in range(world) if r != me]
         targets = others if to is None else [r for r in to if r != me]
         got = await self._exchange.run(
             seq,
-            {_rank_id(r): data for r in targets},
-            [_rank_id(r) for r in others],
+            {rank_id(r): data for r in targets},
+            [rank_id(r) for r in others],
             self.timeout_s,
+            expect=len(data),
             excuse_dead=excuse_dead,
         )
         return {int(peer.removeprefix("rank")): msg for peer, msg in got.items()}
@@ -264,7 +266,14 @@ class ProcessGroupGossipnet(UnsupportedCalls, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ exact calls
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> GossipWork:  # type: ignore[override]
-        """Exact: the root's tensors, byte for byte, on every rank."""
+        """Exact: the root's tensors, byte for byte, on every rank.
+
+        Every other rank answers the root with an empty message, and the root completes
+        once it heard them all (a dead one excused), as gloo's root waits for its
+        receivers.  Why: a root that completed on delivery alone could run any number
+        of broadcasts ahead of a slow rank, and a receiver could then bound neither the
+        collectives nor the bytes it must hold for it.
+        """
         root = opts.rootRank if opts is not None else 0
         if not 0 <= root < self.size():
             raise ValueError(f"gossipnet backend: broadcast root {root} outside the group")
@@ -272,21 +281,29 @@ class ProcessGroupGossipnet(UnsupportedCalls, dist.ProcessGroup):
         tensors = list(tensors)
         me = self.rank()
         data = to_bytes(tensors) if me == root else b""
+        nbytes = sum(t.numel() * t.element_size() for t in tensors)
 
         async def body() -> list[torch.Tensor]:
             if me == root:
+                others = [rank_id(r) for r in range(self.size()) if r != me]
                 await self._exchange.run(
                     seq,
-                    {_rank_id(r): data for r in range(self.size()) if r != me},
-                    [],
+                    dict.fromkeys(others, data),
+                    others,
                     self.timeout_s,
-                    excuse_dead=False,
+                    expect=0,
+                    excuse_dead=True,
                 )
                 return tensors
             got = await self._exchange.run(
-                seq, {}, [_rank_id(root)], self.timeout_s, excuse_dead=False
+                seq,
+                {rank_id(root): b""},
+                [rank_id(root)],
+                self.timeout_s,
+                expect=nbytes,
+                excuse_dead=False,
             )
-            for t, v in zip(tensors, from_bytes(got[_rank_id(root)], tensors), strict=True):
+            for t, v in zip(tensors, from_bytes(got[rank_id(root)], tensors), strict=True):
                 t.copy_(v)
             return tensors
 

@@ -1,8 +1,8 @@
 """Object collectives through ``init_process_group("gossipnet")`` (started with env://).
 
 Rank 0 prints one JSON line: what ``all_gather_object`` and ``broadcast_object_list``
-returned, the settings ``pg_options`` gave the group, and the error ``gather_object``
-(built on the unsupported ``gather``) raised.
+returned, the settings ``pg_options`` gave the group, the error ``gather_object``
+(built on the unsupported ``gather``) raised, and the exact collectives' refused parts.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import torch.distributed as dist
 
 from gossipnet import Config
-from gossipnet.distributed import GossipnetOptions, ProcessGroupGossipnet
+from gossipnet.distributed import GossipnetOptions, ProcessGroupGossipnet, totals
 
 
 def main() -> None:
@@ -34,6 +34,9 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         seen = {"timeout": pg.peer.config.collective_timeout_s, "exact": pg.options.exact_max_bytes}
+        seen["refused"] = {
+            k: v for k, v in totals().items() if "dropped" in k or k == "exact_malformed"
+        }
         out = {"gathered": gathered, "broadcast": sent, "gather_error": unsupported, **seen}
         print(json.dumps(out))
     dist.destroy_process_group()

@@ -256,3 +256,5 @@ def test_object_collectives_are_exact_and_gather_is_named() -> None:
     assert got["broadcast"] == [{"from": "root", "blob": list(range(2000))}, "second"]
     assert "gather is not supported" in got["gather_error"]
     assert (got["timeout"], got["exact"]) == (7.5, 64)  # pg_options reached the group
+    assert got["refused"], got  # the exact collectives' drop counters, every one zero:
+    assert not any(got["refused"].values()), got["refused"]

@@ -26,6 +26,7 @@ from gossipnet.distributed.options import GossipnetOptions, resolve_options
 from gossipnet.distributed.process_group import ProcessGroupGossipnet
 from gossipnet.distributed.rendezvous import start_peer
 from gossipnet.distributed.tensors import UnsupportedError
+from gossipnet.testing import wait_until_sync
 
 WORLD = 3
 #: Fast failure detection for the churn test; a generous collective bound elsewhere.
@@ -225,7 +226,8 @@ def test_survivors_go_on_when_a_rank_dies() -> None:
 def test_a_broadcast_sent_before_the_receiver_built_its_group_arrives() -> None:
     """Rank 0 broadcasts (and its parts are acknowledged) before rank 1 has made its
     process group: the parts must wait in rank 1's inbox, not be acked and dropped.
-    (A Lightning run at 10% loss once hung so: its rank 0 left the rendezvous first.)"""
+    (A Lightning run at 10% loss once hung so: its rank 0 left the rendezvous first.)
+    The root completes once rank 1 joined the broadcast, as under gloo."""
     store = dist.HashStore()
     opts = resolve_options(GossipnetOptions(config=CONFIG, handle_sigterm=False), 0, env={})
     td = datetime.timedelta(seconds=CALL_S)
@@ -237,10 +239,13 @@ def test_a_broadcast_sent_before_the_receiver_built_its_group_arrives() -> None:
     try:
         pgs.append(ProcessGroupGossipnet(*started[0], 0, 2, opts, CALL_S))
         sent = torch.arange(10, dtype=torch.float64)
-        pgs[0].broadcast([sent], dist.BroadcastOptions()).wait(td)  # acked by rank 1's node
+        root = pgs[0].broadcast([sent], dist.BroadcastOptions())
+        inbox = started[1][1]
+        wait_until_sync(lambda: inbox.counters["parts_in"] >= 1, CALL_S)  # acked by rank 1
         pgs.append(ProcessGroupGossipnet(*started[1], 1, 2, opts, CALL_S))
         got = torch.zeros(10, dtype=torch.float64)
         pgs[1].broadcast([got], dist.BroadcastOptions()).wait(td)
+        root.wait(td)
         assert torch.equal(got, sent)
     finally:
         for pg in pgs:
