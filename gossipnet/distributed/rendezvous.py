@@ -219,27 +219,57 @@ def start_peer(
     return peer, exchange
 
 
+def _identity_of(rank: int, value: bytes) -> tuple[int, bytes]:
+    """A rank's ``epoch:public-key-hex`` from the store, parsed.
+
+    Raises:
+        JoinError: the value is malformed (another gossipnet version, or a corrupted store).
+    """
+    try:
+        epoch_text, _, key_hex = value.decode().partition(":")
+        epoch, public = int(epoch_text), bytes.fromhex(key_hex)
+    except (UnicodeDecodeError, ValueError):
+        epoch, public = -1, b""
+    if epoch < 0 or len(public) != 32:
+        raise JoinError(
+            f"gossipnet backend: rank {rank} published no usable public key in the store"
+            " (every rank must run the same gossipnet version)"
+        )
+    return epoch, public
+
+
 async def _make_exchange(peer: Peer, chunk_bytes: int, members: list[str]) -> Exchange:
     """The exchange, made (and subscribed) on the loop thread that runs it."""
     return Exchange(peer.node, chunk_bytes, members)
 
 
 def _meet(peer: Peer, store: Store, rank: int, world: int, gen: str, timeout_s: float) -> None:
-    """Publish our address, read the others', say hello, wait for them all."""
+    """Publish our address and public key, read the others', pin their keys, say hello,
+    wait for them all.
+
+    Why pin: a rank id is a name any holder of the secret could introduce first (the
+    run's key went through this store, or is shared by all ranks); binding each rank's
+    id to the public key that rank published in the store leaves no name to take.
+    """
     if world <= 1:
         return
+    epoch, public = peer.node.identity
     try:
         publish(store, gen, "addr", rank, peer.address)
+        publish(store, gen, "pubkey", rank, f"{epoch}:{public.hex()}")
         others = [r for r in range(world) if r != rank]
-        addresses = [
-            a.decode() for a in read_ranks(store, gen, "addr", others, world, timeout_s).values()
-        ]
+        addresses = read_ranks(store, gen, "addr", others, world, timeout_s)
+        keys = read_ranks(store, gen, "pubkey", others, world, timeout_s)
     except StoreUnusable as err:
         raise JoinError(f"gossipnet backend: the rendezvous store failed: {err}") from err
+    pins = [(rank_id(r), *_identity_of(r, keys[r]), addresses[r].decode()) for r in others]
 
     async def add() -> None:
-        members = peer.node.members
-        members.bootstrap.extend(a for a in addresses if a not in members.bootstrap)
+        node = peer.node
+        for peer_id, their_epoch, their_key, address in pins:
+            node.pin(peer_id, their_epoch, their_key, address)
+        members = node.members
+        members.bootstrap.extend(a for *_, a in pins if a not in members.bootstrap)
 
     peer.runtime.call(add())
     peer.runtime.await_peers(world)

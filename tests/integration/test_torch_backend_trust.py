@@ -34,6 +34,7 @@ from gossipnet.distributed.options import GossipnetOptions, resolve_options
 from gossipnet.distributed.process_group import ProcessGroupGossipnet
 from gossipnet.distributed.rendezvous import KEY_BYTES, read_ranks, start_peer
 from gossipnet.peer import Peer
+from gossipnet.runtime.kinds import NodeKind
 from gossipnet.testing import wait_until_sync
 
 CONFIG = Config(
@@ -98,33 +99,41 @@ def test_without_a_secret_ranks_share_a_random_key_and_the_run_id_key_gets_nothi
         _close(again)
         assert _stored_key(other, "0.1") != key
 
-        # a local process with the run-id key ("gossipnet:pgtrust", no secret) that
-        # claims to be rank 1 and sends rank 0 a pickled part for the next collective
-        attacker = join(
-            [],
-            "tcp://127.0.0.1:0",
-            secret=None,
-            config=CONFIG.replace(peer_id="rank1", run=f"{CONFIG.run}:pgtrust"),
-            handle_sigterm=False,
-        )
-        try:
-            evil = pickle.dumps({"run": "id > /tmp/pwned"})
-            before = _rejected(peer0)
+        # a local process that claims to be rank 1 and sends rank 0 a pickled part for
+        # the next collective: first with the run-id key ("gossipnet:pgtrust", no
+        # secret), then with the group's key itself, read from the store (an insider):
+        # rank 1's id is pinned to the public key rank 1 published, so neither gets in
+        evil = pickle.dumps({"run": "id > /tmp/pwned"})
+        for secret in (None, key):
+            attacker = join(
+                [],
+                "tcp://127.0.0.1:0",
+                secret=secret,
+                config=CONFIG.replace(peer_id="rank1", run=f"{CONFIG.run}:pgtrust"),
+                handle_sigterm=False,
+            )
+            try:
+                before = _rejected(peer0)
 
-            async def send() -> bool:
-                return await attacker.node.send_reliable(
-                    "",
-                    DistKind.PART,
-                    {"o": 1, "i": 0, "n": 1},
-                    evil,
-                    address=peer0.address,
-                    timeout_s=1.0,
+                async def send(node: Any = attacker.node) -> bool:
+                    epoch, public = peer0.node.identity  # published in the store
+                    node.codec.bind("rank0", epoch, public)
+                    hello = {"addr": node.address, "pk": node.codec.identity.public, "re": False}
+                    node.send_to_address(peer0.address, NodeKind.HELLO, hello, intro=True)
+                    part = {"o": 1, "i": 0, "n": 1, "rq": 1}
+                    return bool(
+                        node.send_to_address(peer0.address, DistKind.PART, part, evil, dst="rank0")
+                    )
+
+                assert attacker.runtime.call(send())
+                wait_until_sync(
+                    lambda b=before: _rejected(peer0) > b, CALL_S, what="forged part refused"
                 )
-
-            assert not attacker.runtime.call(send())
-            wait_until_sync(lambda: _rejected(peer0) > before, CALL_S, what="forged part refused")
-        finally:
-            attacker.close(announce=False)
+            finally:
+                attacker.close(announce=False)
+        admission = peer0.stats()["admission"]
+        assert admission.get("identity_conflict", 0) >= 1  # the insider's claim on rank1
+        assert peer0.stats()["wire_rejects"].get("unknown_key", 0) >= 2
         assert ex0.counters["parts_in"] == 0  # nothing taken in
 
         # rank 1's real broadcast reaches rank 0 intact
