@@ -12,6 +12,7 @@ from __future__ import annotations
 from gossipnet._join import join
 from gossipnet.clock import Clock, FakeClock, MonotonicClock
 from gossipnet.collectives.compress import DCT, Accordion, ArcTopK, Int8
+from gossipnet.collectives.lossy.robust import CenteredClip
 from gossipnet.collectives.sparq.config import SparQ
 from gossipnet.config import Config
 from gossipnet.distributed import register as _register_torch_backend
@@ -46,6 +47,7 @@ __all__ = (
     "ArcTopK",
     "AutoTau",
     "AutoTauConfig",
+    "CenteredClip",
     "Clock",
     "ClosedError",
     "CollectiveReport",

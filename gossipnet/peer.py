@@ -33,6 +33,7 @@ from gossipnet.clock import Clock
 from gossipnet.collectives.compress import Compression, CompressSession
 from gossipnet.collectives.compress import resolve as resolve_compress
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
+from gossipnet.collectives.lossy.robust import CenteredClip
 from gossipnet.collectives.route.averager import RouteTime
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
@@ -183,6 +184,7 @@ class Peer:
         weight: float = 1.0,
         compress: Compression | None = None,
         step: torch.optim.Optimizer | None = None,
+        robust: CenteredClip | None = None,
     ) -> CollectiveReport:
         """Average ``tensors`` across the alive peers, in place, tolerating loss.
 
@@ -215,15 +217,24 @@ class Peer:
                 averages ``step``'s parameters with repair, so the replicas that lost
                 chunks let drift apart are identical again (``extra["resync"]`` is 1,
                 ``extra["resync_moved"]`` this peer's largest drift).
+            robust: :class:`gossipnet.CenteredClip` makes each chunk's owner aggregate
+                with centered clipping instead of the weighted mean, so a faulty peer
+                moves the result by at most ``tau`` per element (RMS); every peer the
+                same, not with ``compress`` (see the guide, "Security model").
 
         Returns:
             The round's :class:`CollectiveReport`; packet loss never raises.
 
         Raises:
             ConfigError: ``compress`` is not one of the above.
+            ValueError: ``robust`` with ``compress``, or not a ``CenteredClip``.
         """
         if not tensors:
             raise ValueError("all_reduce needs at least one tensor")
+        if robust is not None and (compress is not None or not isinstance(robust, CenteredClip)):
+            raise ValueError(
+                f"robust must be a gossipnet.CenteredClip and needs compress=None, got {robust!r}"
+            )
         spec = resolve_compress(compress)
         cpu0 = time.thread_time()
         staged = stage(self._flat_for(tensors), tensors)
@@ -241,7 +252,7 @@ class Peer:
                 session.track_applied()
         resyncs = self._step_resync  # replicas made identical (gossipnet/_step_resync.py)
         resync = self._resync_step(step, t) if step is not None and resyncs.first() else None
-        work = functools.partial(self._all_reduce, staged.cpu, weight, t, session)
+        work = functools.partial(self._all_reduce, staged.cpu, weight, t, session, robust)
         report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)
         if step is not None:
@@ -316,8 +327,9 @@ class Peer:
         weight: float,
         timeout_s: float,
         session: CompressSession | None = None,
+        robust: CenteredClip | None = None,
     ) -> CollectiveReport:
-        opts = RoundOptions(weight=weight, timeout_s=timeout_s, compress=session)
+        opts = RoundOptions(weight=weight, timeout_s=timeout_s, compress=session, robust=robust)
         return await self._engine().run(buckets, opts)
 
     def resync(self, opt: torch.optim.Optimizer, timeout: float | None = None) -> CollectiveReport:

@@ -484,3 +484,28 @@ def test_sparq_deltas_and_refreshes_past_the_value_bound_parse_to_none() -> None
     for value, ok in ((1.0, True), (SPARQ_BOUND, True), (3e38, False), (-3e38, False)):
         vals = torch.full((layout.segment,), value).numpy().tobytes()
         assert (sparq_codec.parse_refresh(seg, vals, layout) is not None) is ok, value
+
+
+@pytest.mark.timeout(60)
+def test_peer_all_reduce_with_centered_clipping_bounds_a_faulty_peer() -> None:
+    """``net.all_reduce(..., robust=CenteredClip(tau))``: one of four peers sends its
+    values times 1e3; the honest peers' result stays near the honest mean (the plain
+    mean would be hundreds of times off), and robust with compress is refused."""
+    import gossipnet
+    from gossipnet.testing import run_peers
+
+    honest = [torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    mean = torch.stack(honest).mean(0)  # rank 3 honest, as it would be
+
+    def body(rank: int, net: gossipnet.Peer) -> torch.Tensor:
+        x = honest[rank].clone() * (1e3 if rank == 3 else 1.0)
+        if rank == 0:
+            with pytest.raises(ValueError, match="robust"):
+                net.all_reduce([x.clone()], robust=gossipnet.CenteredClip(tau=1.0), compress="bf16")
+        net.all_reduce([x], robust=gossipnet.CenteredClip(tau=1.0))
+        return x
+
+    out = run_peers(4, body, timeout_s=50, collective_timeout_s=5.0)
+    for x in out[:3]:
+        err = (x - mean).norm() / mean.norm()
+        assert err < 0.5, float(err)  # the plain mean: about 250

@@ -16,6 +16,7 @@ def test_all_is_pinned() -> None:
         "ArcTopK",
         "AutoTau",
         "AutoTauConfig",
+        "CenteredClip",
         "Clock",
         "ClosedError",
         "CollectiveReport",
