@@ -291,6 +291,14 @@ class LossyAllReduce(Intake):
         heard = set(rnd.rs.received) | set(rnd.ag.received) | rnd.rs.done | rnd.ag.done
         return alignment(rnd.me, heard, rnd.elsewhere, rnd.r)
 
+    def senders_ahead(self) -> frozenset[str]:
+        """Peers whose round packets (data or END; never heartbeats) for rounds after
+        ours are held here: they run rounds with us in their view.  The only sign a
+        peer that joined a run under way has of who takes part, before any round of
+        its own was shared (``training._evidence``).  Loop thread; costs one pass
+        over the held packets."""
+        return frozenset(p.src for held in self._buffered.values() for p in held)
+
     def _on_membership(self, event: str, peer: str) -> None:
         if event != "joined":
             self._stalls.forget(peer)
