@@ -120,8 +120,8 @@ class Claim:
         if type(k) is not int or k != LIVE:
             return None
         ints = [v for v in nums if type(v) is int and 0 <= v <= MAX_ROUND]
-        if len(ints) != len(nums):
-            return None
+        if len(ints) != len(nums) or ints[1] + 3 * (ints[0] + 1) > MAX_ROUND:
+            return None  # a position whose round ids would leave the valid range
         if not (isinstance(lay, str) and len(lay) == _LAYOUT_HEX and set(lay) <= _HEX):
             return None
         return cls(ints[0], ints[1], ints[2], lay)

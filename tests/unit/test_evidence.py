@@ -71,6 +71,7 @@ def test_chunks_are_vouched_one_by_one() -> None:
         {"k": 1, "step": 1, "rb": 0, "nr": 3, "lay": "0" * 16},  # another kind
         {"k": 0, "step": -1, "rb": 0, "nr": 3, "lay": "0" * 16},
         {"k": 0, "step": 2**53, "rb": 0, "nr": 3, "lay": "0" * 16},
+        {"k": 0, "step": 2**52, "rb": 0, "nr": 3, "lay": "0" * 16},  # ids past 2**53
         {"k": 0, "step": True, "rb": 0, "nr": 3, "lay": "0" * 16},
         {"k": 0, "step": 1.0, "rb": 0, "nr": 3, "lay": "0" * 16},
         {"k": 0, "step": 1, "rb": 0, "nr": 3, "lay": "G" * 16},

@@ -23,7 +23,9 @@ import torch
 import gossipnet
 from gossipnet.collectives.statesync.snapshot import Snapshot
 from gossipnet.collectives.statesync.sync import StateSync, pack_state, unpack_state
-from gossipnet.testing import run_peers
+from gossipnet.testing import MemoryNetwork, run_peers
+from gossipnet.training.kinds import TrainingKind
+from gossipnet.training.replicas import DIGEST_KEY
 
 from ..conftest import FAST
 
@@ -120,28 +122,43 @@ def _poisoned_state(layout: list[tuple[torch.dtype, int]]) -> bytes:
     return pack_state({"params": params, "optim": optim, "step": FAR // 3})
 
 
-def _arm_made_up_id(peer: gossipnet.Peer, layout: list[tuple[torch.dtype, int]]) -> None:
+def _arm_made_up_id(
+    peer: gossipnet.Peer, layout: list[tuple[torch.dtype, int]], attack: str
+) -> None:
     """Make ``peer`` (a key holder that takes part in no round) announce an optimizer
-    round far ahead and serve a poisoned state to whoever asks, at once."""
+    round far ahead and serve a poisoned state to whoever asks, at once; with
+    ``"digests"`` also answer every resync digest it hears with another."""
     blob = _poisoned_state(layout)
+
+    def echo(pkt: Any) -> None:  # loop thread
+        heard = pkt.fields.get(DIGEST_KEY)
+        if isinstance(heard, list) and len(heard) == 2 and isinstance(heard[1], str):
+            ours = [heard[0], "e" * len(heard[1])]
+            peer._node.beacon[DIGEST_KEY] = ours
+            peer._node.send(pkt.src, TrainingKind.DIGEST, {DIGEST_KEY: ours})
 
     async def arm() -> None:
         sync: StateSync = peer._statesync
-        peer._node.beacon["opt"] = FAR  # "I am in round FAR" in every heartbeat
+        # "I am in round FAR" in every heartbeat (also what lets the honest peers' rounds
+        # stop waiting for a member that sends nothing)
+        peer._node.beacon["opt"] = FAR
+        if attack == "digests":
+            peer._node.on_heartbeat(echo)
         sync.on_wanted = lambda: sync.publish(blob, {"step": FAR // 3})
         sync.publish(blob, {"step": FAR // 3})
 
     peer._call(arm())
 
 
-@pytest.mark.parametrize("made_up", [3])
-def test_made_up_ids_far_ahead_are_neither_behind_nor_donors(made_up: int) -> None:
+@pytest.mark.parametrize(("attack", "made_up"), [("ahead", 3), ("digests", 4)])
+def test_made_up_ids_are_neither_behind_nor_donors_nor_voters(attack: str, made_up: int) -> None:
     """Three honest peers train; one key holder runs ``made_up`` more ids that never
-    take part in a round, announce a round far ahead and serve every parameter 7.0
-    with lr 1e6.  Before: each honest peer found itself behind (3 ahead against 3 in
-    its round), downloaded a made-up id's state and adopted it (parameters 7.0, lr
-    1e6, loss in the millions).  Now ids never heard in a round carry no weight: no
-    peer realigns, and training ends where it would have without them."""
+    take part in a round and serve every parameter 7.0 with lr 1e6.  "ahead": they
+    announce a round far ahead; before, each honest peer found itself behind (3 ahead
+    against 3 in its round), downloaded a made-up id's state and adopted it.
+    "digests": they also answer every resync digest with another, 4 against 3, which
+    outvoted the honest peers.  Now ids never heard in a round carry no weight:
+    nobody realigns or repairs, and training ends where it would have without them."""
     honest, steps = 3, 20
     layout: list[tuple[torch.dtype, int]] = []
     ready = threading.Event()
@@ -155,7 +172,7 @@ def test_made_up_ids_far_ahead_are_neither_behind_nor_donors(made_up: int) -> No
     def body(rank: int, peer: gossipnet.Peer) -> Any:
         if rank >= honest:
             assert ready.wait(FREEZE_BOUND_S)
-            _arm_made_up_id(peer, layout)
+            _arm_made_up_id(peer, layout, attack)
             finished.wait()
             return None
         try:
@@ -166,6 +183,7 @@ def test_made_up_ids_far_ahead_are_neither_behind_nor_donors(made_up: int) -> No
     out = run_peers(honest + made_up, body, **FAST)[:honest]
     for res in out:
         assert res["realigned"] == 0, res
+        assert res["replica_repaired"] == 0, res
         assert res["lr"] == LR
         assert not torch.any(res["params"] == POISON)
         # trained (from ~21 to ~7), not poisoned (every parameter 7.0: ~700)
@@ -272,3 +290,39 @@ def test_bad_state_from_every_donor_is_counted_and_training_goes_on(
         assert res["steps"] == 24
         assert res["agree"]
     assert all(torch.equal(out[0]["params"], r["params"]) for r in out[1:])
+
+
+def test_a_peer_that_joins_a_run_under_way_realigns_and_keeps_its_own_hyperparameters() -> None:
+    """p3 starts when the others are at step 10 (a restarted process: step 0, its own
+    initialisation, lr 0.02).  No round of its own was shared yet, so the peers that
+    count are those whose round packets it holds for rounds ahead (never ids known
+    from heartbeats alone); all three vouch for their position and parameters, and it
+    realigns.  Before, it took a donor's whole optimizer state, lr included."""
+    network = MemoryNetwork()
+    late: dict[str, Any] = {}
+
+    def join_late() -> None:
+        addrs = [f"mem://p{i}" for i in range(4)]
+        with gossipnet.join(
+            addrs, listen=addrs[3], secret=b"t", peer_id="p3", network=network, **FAST
+        ) as peer:
+            late.update(_train(peer, 30, 503, lr=0.02))
+
+    thread = threading.Thread(target=join_late, name="peer-p3")
+
+    def body(rank: int, peer: gossipnet.Peer) -> Any:
+        if rank != 0:
+            return _train(peer, 30, 500 + rank)
+        start = lambda s: thread.start() if s == 10 else None  # noqa: E731
+        try:
+            return _train(peer, 30, 500, reached=start)
+        finally:
+            thread.join(FREEZE_BOUND_S * 2)  # stay until the late peer is done
+
+    out = run_peers(3, body, network=network, **FAST)
+    assert not thread.is_alive()
+    assert late["realigned"] >= 1, late
+    assert late["lr"] == 0.02
+    assert late["steps"] == 30
+    assert late["agree"]
+    assert all(torch.equal(late["params"], r["params"]) for r in out)
