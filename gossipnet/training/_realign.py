@@ -187,10 +187,12 @@ class Realigner:
         if align is not None and (align.we_are_behind or align.we_are_ahead):
             others = align.ahead if align.we_are_behind else align.behind
             where = "behind" if align.we_are_behind else "ahead of"
+            voters = self.verified() & set(self.host.alive_peers())
             base = self.replica.round_base
-            at = max(step_of_round(max(0, r - base)) for r in others.values())
+            steps = [step_of_round(max(0, r - base)) for r in others.values()]
+            at = _robust_top(steps, quorum_of(len(voters) + 1))
             why = f"{where} the others ({len(others)} heard only in other rounds)"
-            ok = self.adopt_vouched(self.verified(), at, why, report)
+            ok = self.adopt_vouched(voters, at, why, report)
             report.extra["realigned"] = float(ok)
         elif self.digest_rid is not None and self.digest_rid != self._checked_rid:
             self._check_replicas(report)
@@ -235,11 +237,10 @@ class Realigner:
         n = len(voters) + 1
         buckets = self.replica.param_buckets()
         size, layout = _snapshot.raw_size(buckets), _snapshot.layout_key(buckets)
-        want = min(len(voters), quorum_of(n) + 1)  # one holder to spare where one exists
         coro = sync.manifests(
             sorted(voters), [(LIVE, max(at + TARGET_LEAD_STEPS, self._hint))],
             timeout_s=self.sync_timeout_s, max_bytes=size,
-            enough=lambda got: len(_position(got, n, layout, size)[1]) >= want,
+            enough=lambda got: _position(got, n, layout, size)[0] is not None,
         )  # fmt: skip
         got = self.host.call(coro, self.sync_timeout_s + 30)
         claim, holders = _position(got, n, layout, size)
@@ -309,8 +310,9 @@ class Realigner:
         self.last_sync = TransferReport(sources_tried=tuple(sorted(voters)))
         self._reject("unvouched", report)
         claims = [c for m in got.values() if (c := Claim.from_meta(m["m"])) is not None]
-        if claims:  # donors were past the target: ask beyond the furthest next time
-            self._hint = max(c.step for c in claims) + TARGET_LEAD_STEPS
+        if claims:  # donors were past the target: ask beyond them next time
+            steps = [c.step for c in claims]
+            self._hint = _robust_top(steps, quorum_of(n)) + TARGET_LEAD_STEPS
         positions = collections.Counter((c.step, c.round_base, c.next_round) for c in claims)
         log.warning(
             "peer %s: %s, but no position has a quorum of the %d participants behind it"
@@ -321,6 +323,13 @@ class Realigner:
     def _reject(self, reason: str, report: CollectiveReport) -> None:
         self.rejected[reason] += 1
         report.extra["state_rejected"] = report.extra.get("state_rejected", 0.0) + 1.0
+
+
+def _robust_top(steps: list[int], need: int) -> int:
+    """The highest step that at least ``need`` of ``steps`` reach (or, with fewer,
+    the lowest): one peer announcing a step far ahead cannot move a target there."""
+    ranked = sorted(steps, reverse=True)
+    return ranked[min(len(ranked), max(1, need)) - 1]
 
 
 def _digests(man: Mapping[str, Any]) -> list[bytes]:
