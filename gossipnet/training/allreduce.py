@@ -21,9 +21,10 @@ Rounds are identified by the training step
 same round ids, however many calls it made before.  After every resync each
 peer announces a digest of its parameters; a peer whose digest the others
 outvote, or whose round showed it behind or ahead of the others (a stall past
-the failure timeout, a restart, a call more or fewer), downloads a right
-peer's state and step count (:mod:`gossipnet.training._realign`).  The report's
-``extra`` says so: ``realigned``, ``replica_repaired``, ``replicas_disagree``;
+the failure timeout, a restart, a call more or fewer), takes the step count and
+parameters that a quorum of the peers it saw take part vouch for, never one
+peer's word (:mod:`gossipnet.training._realign`).  The report's ``extra`` says
+so: ``realigned``, ``replica_repaired``, ``replicas_disagree``, ``state_rejected``;
 ``net.replicas_agree()`` gives the verdict.
 """
 
