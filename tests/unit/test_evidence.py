@@ -21,7 +21,7 @@ from gossipnet import Config, FakeClock
 from gossipnet.collectives.lossy.round_id import Alignment
 from gossipnet.collectives.statesync.kinds import StateKind
 from gossipnet.collectives.statesync.sync import StateSync
-from gossipnet.training import _evidence, _snapshot
+from gossipnet.training import _evidence, _realign, _snapshot
 from gossipnet.training._evidence import Claim, ParticipantLog, quorum, vouched, vouched_chunks
 from gossipnet.training.kinds import TrainingKind
 from gossipnet.training.replicas import DIGEST_KEY, ReplicaDigests, digest
@@ -55,6 +55,14 @@ def test_one_insider_cannot_reach_a_quorum_alone() -> None:
     assert vouched({"a": honest, "x": evil}, 3) is None  # 1 + 1 of 3: nobody has 2
     assert vouched({"x": evil}, 3) is None
     assert vouched({"x": evil}, 2) == (evil, ["x"])  # two peers: the other's word
+
+
+def test_one_far_ahead_peer_cannot_move_the_target() -> None:
+    """The step to ask the donors for is the one a quorum of them reach: a verified
+    peer announcing a step far ahead alone would make every attempt wait in vain."""
+    assert _realign._robust_top([12, 12, 10**9], quorum(4)) == 12
+    assert _realign._robust_top([12, 10**9], quorum(3)) == 12
+    assert _realign._robust_top([12], quorum(2)) == 12
 
 
 def test_chunks_are_vouched_one_by_one() -> None:

@@ -326,3 +326,20 @@ def test_a_peer_that_joins_a_run_under_way_realigns_and_keeps_its_own_hyperparam
     assert late["steps"] == 30
     assert late["agree"]
     assert all(torch.equal(late["params"], r["params"]) for r in out)
+
+
+def test_with_one_other_participant_its_word_is_taken_and_said() -> None:
+    """Two peers: no third can witness p0's state, so p1, thawed behind, takes it on
+    p0's word (``_evidence.ADOPT_ON_ONE_WORD``) and its report says so."""
+    thaw = threading.Event()
+
+    def body(rank: int, peer: gossipnet.Peer) -> Any:
+        if rank == 1:
+            return _train(peer, 20, 601, freeze_at=4, thaw=thaw)
+        return _train(peer, 20, 600, reached=lambda s: thaw.set() if s >= 10 else None)
+
+    out = run_peers(2, body, **FAST)
+    assert out[1]["realigned"] >= 1, out[1]
+    assert out[1]["unwitnessed"] >= 1, out[1]
+    assert out[0]["unwitnessed"] == 0
+    assert torch.equal(out[0]["params"], out[1]["params"])
