@@ -20,7 +20,7 @@ import torch
 from gossipnet import Config, FakeClock
 from gossipnet.collectives.lossy.round_id import Alignment
 from gossipnet.collectives.statesync.kinds import StateKind
-from gossipnet.collectives.statesync.sync import StateSync
+from gossipnet.collectives.statesync.sync import StateSync, pack_state
 from gossipnet.training import _evidence, _realign, _snapshot
 from gossipnet.training._evidence import Claim, ParticipantLog, quorum, vouched, vouched_chunks
 from gossipnet.training.kinds import TrainingKind
@@ -136,6 +136,63 @@ def test_parameter_bytes_are_written_only_if_whole_and_finite() -> None:
     assert buckets[0][4:8].tolist() == [2.0] * 4
     assert buckets[0][3] == 3.0
     assert _snapshot.layout_key(buckets) != _snapshot.layout_key(buckets[:1])
+
+
+def _adam(lr: float, seed: int) -> tuple[list[torch.nn.Parameter], torch.optim.Adam]:
+    """A two-tensor model and its Adam after one step (moments filled)."""
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    opt = torch.optim.Adam(params, lr=lr)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return params, opt
+
+
+def _packed(params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, step: int) -> bytes:
+    return pack_state(
+        {"params": [p.detach() for p in params], "optim": opt.state_dict(), "step": step}
+    )
+
+
+def test_a_whole_state_is_adopted_without_the_donors_hyperparameters() -> None:
+    """What a joiner downloads: parameters, Adam's moments and the step come along;
+    the donor's learning rate (1e6) does not."""
+    theirs, their_opt = _adam(1e6, 1)
+    mine, my_opt = _adam(0.01, 2)
+    checked, why = _snapshot.check_state(_packed(theirs, their_opt, 42), mine, my_opt)
+    assert why == ""
+    assert checked is not None
+    _snapshot.adopt_state(checked, mine, my_opt)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    assert torch.equal(my_opt.state[mine[0]]["exp_avg"], their_opt.state[theirs[0]]["exp_avg"])
+    assert checked["step"] == 42
+    assert my_opt.param_groups[0]["lr"] == 0.01
+
+
+def test_a_state_that_does_not_fit_is_refused_with_a_reason() -> None:
+    """Each way a downloaded state can be wrong is a reason string, never an exception
+    (before, the same bytes raised out of the step that downloaded them)."""
+    theirs, their_opt = _adam(0.01, 1)
+    mine, my_opt = _adam(0.01, 2)
+    good = _packed(theirs, their_opt, 3)
+    bound = _snapshot.state_bound(mine, my_opt)
+    assert len(good) < bound < len(good) + 128 * 1024  # the local layout, with a margin
+    nan = [p.detach().clone() for p in theirs]
+    nan[1][0] = float("nan")
+    bad_moment = their_opt.state_dict()
+    bad_moment["state"][0]["exp_avg_sq"] = torch.zeros(5)
+    cases = {
+        "oversize": good + bytes(bound),
+        "bad_pickle": b"not a state at all",
+        "layout": pack_state({"params": [t.t() for t in theirs], "optim": {}, "step": 3}),
+        "non_finite": pack_state({"params": nan, "optim": their_opt.state_dict(), "step": 3}),
+    }
+    for why, data in cases.items():
+        assert _snapshot.check_state(data, mine, my_opt) == (None, why), why
+    moment = pack_state({"params": list(theirs), "optim": bad_moment, "step": 3})
+    assert _snapshot.check_state(moment, mine, my_opt) == (None, "layout")
+    assert _snapshot.check_state(good, mine, my_opt)[1] == ""
 
 
 # ---------------------------------------------------------------------- the digest vote

@@ -175,7 +175,8 @@ class StateClient(TransferSteps):
                 relax_at = t0 + timeout_s / 2 if max_age_s is not None else t0
                 age = (max_age_s, relax_at)
                 man = await self._ask_manifest(src, xfer, deadline, {"a": age}, rep)
-                if man is None:
+                if man is None:  # silent, refused or gone: do not ask again at once
+                    await clock.sleep(min(self.retry_s, max(0.0, deadline - clock.now())))
                     continue
                 self._adopt(xfer, man, rep)
                 second = next((p for p in pool if p != src and p != rep.second_donor), None)
