@@ -21,9 +21,10 @@ Rounds are identified by the training step
 same round ids, however many calls it made before.  After every resync each
 peer announces a digest of its parameters; a peer whose digest the others
 outvote, or whose round showed it behind or ahead of the others (a stall past
-the failure timeout, a restart, a call more or fewer), downloads a right
-peer's state and step count (:mod:`gossipnet.training._realign`).  The report's
-``extra`` says so: ``realigned``, ``replica_repaired``, ``replicas_disagree``;
+the failure timeout, a restart, a call more or fewer), takes the step count and
+parameters that a quorum of the peers it saw take part vouch for, never one
+peer's word (:mod:`gossipnet.training._realign`).  The report's ``extra`` says
+so: ``realigned``, ``replica_repaired``, ``replicas_disagree``, ``state_rejected``;
 ``net.replicas_agree()`` gives the verdict.
 """
 
@@ -256,8 +257,8 @@ class AllReduceStrategy:
         self.last_resync = report
         value = await asyncio.to_thread(digest, params)  # hashlib releases the GIL
         replicas = self.host.replicas
-        if replicas is not None:
-            replicas.publish(round_id, value)
+        if replicas is not None:  # only the peers heard in this resync vote on it
+            replicas.publish(round_id, value, self._engine().alignment().in_sync)
         self.realign.digest_rid = round_id
         return report
 
@@ -277,7 +278,7 @@ class AllReduceStrategy:
             resync, loop_s = await loop_cpu(functools.partial(self._resync, params, rid))
             # an explicit resync() right after may return it; the caller's share is the step's
             stamp_cpu(resync, loop_s, 0.0)
-            align = engine.alignment()
+            align = self.realign.judge(engine.alignment())  # verified participants only
             if align.we_are_behind or align.we_are_ahead:
                 self._last_align = align
                 resync.extra["skipped_gradients"] = 1.0
@@ -300,7 +301,7 @@ class AllReduceStrategy:
                 compress=self.compress,
             ),
         )
-        self._last_align = engine.alignment()
+        self._last_align = self.realign.judge(engine.alignment())
         if self.compress is not None:
             report.extra["catch_up"] = float(self.shards.caught_up)
         return report
@@ -338,14 +339,30 @@ class AllReduceStrategy:
         """The round id of ``slot`` at ``step``: the same on every peer at that step."""
         return self._round_base + optimizer_round(step, slot)
 
-    def adopt_rounds(self, round_base: int) -> None:
+    @property
+    def round_base(self) -> int:
+        """Added to every round id (see ``_round_base``); a realigning peer takes the donor's."""
+        return self._round_base
+
+    def adopt_rounds(self, round_base: int, next_round: int | None = None) -> None:
         """Take a donor's round numbering (realignment): our next rounds are the donor's,
-        even where our engine already ran later ones alone (it forgets them)."""
+        even where our engine already ran later ones alone (it forgets them).
+        ``next_round``: the donor's next round id (default: our step's first); one
+        ahead of our engine moves it there, keeping the packets held for it."""
         self._round_base = round_base
         self._based = True
-        first = self._rid(self.step_count, EXPLICIT_RESYNC)
-        if self._engine().next_round > first:
-            self.host.call(self._engine().rewind(first))
+        first = self._rid(self.step_count, EXPLICIT_RESYNC) if next_round is None else next_round
+        engine = self._engine()
+        if engine.next_round > first:
+            self.host.call(engine.rewind(first))
+        elif engine.next_round < first:
+            self.host.call(_advance(engine, first))
+
+
+async def _advance(engine: LossyAllReduce, round_id: int) -> None:
+    """Make ``round_id`` the engine's next round (loop thread; rounds before it are
+    skipped, packets held for it and later kept)."""
+    engine.next_round = max(engine.next_round, round_id)
 
 
 def _write_back(params: list[torch.Tensor], staged: list[torch.Tensor]) -> None:

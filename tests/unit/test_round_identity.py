@@ -111,7 +111,9 @@ def test_a_peer_frozen_past_the_failure_timeout_realigns() -> None:
 
 def test_a_replica_outvoted_after_a_resync_repairs_itself(monkeypatch: Any) -> None:
     """A resync that leaves one replica wrong (here: p2 corrupts its result) is caught
-    by the digest check: p2 downloads the majority's state and says so in a report."""
+    by the digest check: p2 downloads the majority's state and says so in a report.
+    Chunks of 1 KiB, so that every peer owns some and hears every other in each
+    round (a digest counts only from a peer heard taking part in the resync)."""
     real_resync = AllReduceStrategy._resync
     corrupted = []
 
@@ -138,7 +140,7 @@ def test_a_replica_outvoted_after_a_resync_repairs_itself(monkeypatch: Any) -> N
     def body(rank: int, peer: gossipnet.Peer) -> Any:
         return _train(peer, 16, 200 + rank)
 
-    out = run_peers(3, body, **FAST)
+    out = run_peers(3, body, **FAST, chunk_bytes=1024)
     assert corrupted
     repaired = [sum(r.extra.get("replica_repaired", 0.0) for r in o[1]) for o in out]
     assert repaired[2] >= 1, repaired

@@ -319,6 +319,14 @@ class LossyAllReduce(Intake):
         """The highest round a majority of the electorate claims to have reached."""
         return self.claims.quorum(self._electorate())
 
+    def senders_ahead(self) -> frozenset[str]:
+        """Peers whose round packets (data or END; never heartbeats) for rounds after
+        ours are held here: they run rounds with us in their view.  The only sign a
+        peer that joined a run under way has of who takes part, before any round of
+        its own was shared (``training._evidence``).  Loop thread; costs one pass
+        over the held packets."""
+        return frozenset(p.src for held in self._buffered.values() for p in held)
+
     def _on_membership(self, event: str, peer: str) -> None:
         if event != "joined":
             self._stalls.forget(peer)

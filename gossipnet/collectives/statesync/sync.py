@@ -25,17 +25,23 @@ retries):
   kept, so a transfer moves to another source without starting over (after a
   Moshpit average, peers' snapshots are often identical: nothing is redone).
 
-Trust (issue 19): a manifest is validated field by field (types, ranges, a
-size at most ``max_state_bytes``, digests that match the chunking) before
-anything is allocated from it; a bad one is a counted reject
-(``StateSync.rejects["manifest"]``) and the source is left, never an exception
-out of :meth:`StateSync.download`.  A reply from another peer than the one
+Trust: a manifest is validated field by field (types, ranges, a
+size at most ``max_state_bytes`` or the caller's own bound, digests that match the
+chunking) before anything is kept from it; a bad one is a counted reject
+(``StateSync.rejects["manifest"]``, ``["oversize"]``) and the source is left, never an
+exception out of :meth:`StateSync.download`.  Chunks are kept as they arrive, each
+checked against its digest, so memory follows the data received, never the size a
+manifest claims.  A reply from another peer than the one
 asked is dropped (``rejects["foreign_reply"]``).  Where a second live donor
 exists its manifest is asked too and the whole-state digests compared
 (``TransferReport.second_donor``, ``donors_agree``): agreement confirms the
 state; a disagreement is logged and reported but the download goes on from the
-first donor, because replicas may honestly differ by a step (part 1's replica
-digests repair a replica that diverged).
+first donor, because replicas may honestly differ by a step.  A caller that must
+not take one peer's word (the optimizer's realignment, ``training._realign``)
+asks many peers for a snapshot at the same *target* step
+(:meth:`StateSync.manifests`), compares the claims and chunk digests their
+manifests carry, and only then downloads the chunks enough of them agree on
+(:meth:`StateSync.fetch_chunks`).
 
 Layout: :class:`StateSync` is one object for the node, made of the serving
 side (:mod:`.server`) and the downloading side (:mod:`.client`); snapshots and
@@ -47,7 +53,7 @@ their digests are :mod:`.snapshot`, manifest checks :mod:`.manifest`.
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gossipnet.collectives.statesync.checkpoint import (
@@ -56,13 +62,19 @@ from gossipnet.collectives.statesync.checkpoint import (
     save_atomic,
     unpack_state,
 )
-from gossipnet.collectives.statesync.client import MAX_STATE_BYTES, StateClient, TransferReport
+from gossipnet.collectives.statesync.client import (
+    MAX_STATE_BYTES,
+    Manifests,
+    StateClient,
+    TransferReport,
+)
 from gossipnet.collectives.statesync.server import StateServer
 from gossipnet.collectives.statesync.snapshot import Snapshot
 from gossipnet.runtime.node import Node
 
 __all__ = (
     "MAX_STATE_BYTES",
+    "Manifests",
     "Snapshot",
     "StateSync",
     "TransferReport",
@@ -131,6 +143,11 @@ class StateSync:
     def on_wanted(self, hook: Callable[[], None] | None) -> None:
         self.server.on_wanted = hook
 
+    def wanted_at(self, kind: int) -> int | None:
+        """The lowest step a peer asked a snapshot of ``kind`` for that we have not
+        published yet (None: none asked)."""
+        return self.server.wanted_at(kind)
+
     @property
     def served_chunks(self) -> int:
         """Chunks sent to other peers so far."""
@@ -147,7 +164,7 @@ class StateSync:
     # ------------------------------------------------------------------ client
     @property
     def rejects(self) -> collections.Counter[str]:
-        """Replies dropped, by reason (``"manifest"``, ``"foreign_reply"``)."""
+        """Replies dropped, by reason (``"manifest"``, ``"oversize"``, ``"foreign_reply"``)."""
         return self.client.rejects
 
     async def download(
@@ -156,9 +173,38 @@ class StateSync:
         sources: Sequence[str] | None = None,
         timeout_s: float = 30.0,
         max_age_s: float | None = 5.0,
+        max_bytes: int | None = None,
     ) -> tuple[bytes | None, TransferReport]:
         """Fetch the state of a live peer; ``(None, report)`` if none could serve it.
 
         See :meth:`.client.StateClient.download`; never raises for what peers send.
         """
-        return await self.client.download(sources=sources, timeout_s=timeout_s, max_age_s=max_age_s)
+        return await self.client.download(
+            sources=sources, timeout_s=timeout_s, max_age_s=max_age_s, max_bytes=max_bytes
+        )
+
+    async def manifests(
+        self,
+        sources: Sequence[str],
+        targets: Sequence[tuple[int, int]],
+        *,
+        timeout_s: float,
+        enough: Callable[[Manifests], bool],
+        max_bytes: int | None = None,
+    ) -> Manifests:
+        """Ask every source for a snapshot at every ``(kind, step)`` target; what came
+        by ``timeout_s`` or once ``enough`` (see :meth:`.client.StateClient.manifests`)."""
+        return await self.client.manifests(
+            sources, targets, timeout_s=timeout_s, enough=enough, max_bytes=max_bytes
+        )
+
+    async def fetch_chunks(
+        self,
+        wanted: Mapping[int, bytes],
+        holders: Sequence[tuple[str, Mapping[str, Any]]],
+        *,
+        timeout_s: float,
+    ) -> tuple[dict[int, bytes], TransferReport]:
+        """The chunks ``wanted`` (index -> digest), each from a holder whose manifest
+        lists that digest (see :meth:`.client.StateClient.fetch_chunks`)."""
+        return await self.client.fetch_chunks(wanted, holders, timeout_s=timeout_s)
