@@ -28,6 +28,7 @@ constructed again:
 
 from __future__ import annotations
 
+import collections
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +91,8 @@ class MoshpitStrategy:
         self.last_resync: CollectiveReport | None = None  # Moshpit peers never resync
         self.last_replica_check: ReplicaCheck | None = None  # nor compare digests
         self.last_sync: TransferReport | None = None
+        #: downloaded states refused, by reason (``_snapshot.check_state``)
+        self.state_rejected: collections.Counter[str] = collections.Counter()
         # summed averaging weight of the local steps since the last average, and their count
         self._window_weight, self._window_steps = 0.0, 0
         if options.checkpoint_path is not None:
@@ -254,13 +257,25 @@ class MoshpitStrategy:
         else:
             return None
         timeout_s = self.options.sync_timeout_s
-        coro = sync.download(sources=sources, timeout_s=timeout_s, max_age_s=max_age)
+        bound = _snapshot.state_bound(self.params, self.base)
+        coro = sync.download(
+            sources=sources, timeout_s=timeout_s, max_age_s=max_age, max_bytes=bound
+        )
         data, rep = host.call(coro, timeout_s + 30)
         self.last_sync = rep
         if data is None:
             log.warning("peer %s: no state downloaded (%s); starting from our own", me, rep)
             return rep
-        self.load_bytes(data)
+        checked, why = _snapshot.check_state(data, self.params, self.base)
+        if checked is None:  # never raised out of step() for what a peer sent
+            self.state_rejected[why] += 1
+            log.warning(
+                "peer %s: the state from %s does not fit this model (%s); keeping our own",
+                me, rep.source, why,
+            )  # fmt: skip
+            return rep
+        _snapshot.adopt_state(checked, self.params, self.base)  # never its hyperparameters
+        self.step_count = int(checked["step"])
         self.publish()
         log.info(
             "peer %s: state from %s (%d bytes, step %d, %d chunks resumed) in %.2f s",
