@@ -56,6 +56,7 @@ class Membership:
         #: view entries not taken, by reason (``learned_full``: the bounds above)
         self.refused: collections.Counter[str] = collections.Counter()
         self._peers: dict[str, PeerInfo] = {}
+        self._unverified: set[str] = set()  # ids of entries never heard under their key
         self._left: dict[str, int] = {}  # peer_id -> epoch that announced LEAVE
         self._callbacks: list[MembershipCallback] = []
         self._version = 0  # bumps on every change of the alive set
@@ -94,7 +95,9 @@ class Membership:
             self._peers[peer_id] = info
         if epoch < info.epoch:
             return
-        info.verified = True
+        if not info.verified:
+            info.verified = True
+            self._unverified.discard(peer_id)
         if address:
             info.address = address
         restarted = info.alive and epoch > info.epoch
@@ -118,11 +121,12 @@ class Membership:
             return False
         if (
             len(self._peers) + 1 >= self.max_peers
-            or sum(not p.verified for p in self._peers.values()) >= MAX_UNVERIFIED
+            or len(self._unverified) >= MAX_UNVERIFIED
         ):
             self.refused["learned_full"] += 1
             return False
         self._peers[peer_id] = PeerInfo(peer_id, address, last_seen=now)
+        self._unverified.add(peer_id)
         return True
 
     def bound(self, peer_id: str, epoch: int, address: str, now: float) -> None:
@@ -138,6 +142,7 @@ class Membership:
         info = self._peers.get(peer_id)
         if info is None:
             self._peers[peer_id] = PeerInfo(peer_id, address, epoch, last_seen=now)
+            self._unverified.add(peer_id)
         elif not info.alive:
             info.address = address
             info.epoch = max(info.epoch, epoch)
@@ -151,6 +156,7 @@ class Membership:
         """``peer_id`` announced its departure."""
         self._left[peer_id] = max(epoch, self._left.get(peer_id, -1))
         info = self._peers.pop(peer_id, None)
+        self._unverified.discard(peer_id)
         if info is not None and info.alive:
             self._emit("left", peer_id)
 
@@ -199,6 +205,7 @@ class Membership:
         ]
         for p in gone:
             del self._peers[p.peer_id]
+            self._unverified.discard(p.peer_id)
         return gone
 
     def alive(self) -> list[str]:
