@@ -30,6 +30,8 @@ from gossipnet.collectives.lossy.reducer import ShardReducer
 from gossipnet.reports import CollectiveReport
 from gossipnet.transport.wire import Packet
 
+from .test_batch_intake import _batched as batched
+
 N = 4
 IDS = tuple(f"p{i}" for i in range(N))
 ADDRS = tuple(f"mem://{p}" for p in IDS)
@@ -43,10 +45,10 @@ def cfg(fast_config: Config) -> Config:
     return fast_config.replace(chunk_bytes=1024, compressed_copies=1)
 
 
-def arrangement(seed: int) -> Callable[[int], FaultPlan]:
+def arrangement(seed: int, loss: float = 0.0) -> Callable[[int], FaultPlan]:
     """Per node, a fixed delay on each outgoing link: every owner hears each sender's
     stream whole (one delay per link keeps it in order), the senders in an order
-    drawn from ``seed``; nothing is lost."""
+    drawn from ``seed``; ``loss`` of the packets lost (none by default)."""
     rng = random.Random(seed)
     delay: dict[tuple[str, str], float] = {}
     for dst in ADDRS:
@@ -56,8 +58,10 @@ def arrangement(seed: int) -> Callable[[int], FaultPlan]:
             delay[(src, dst)] = 0.002 * (k + 1)
 
     def plan(i: int) -> FaultPlan:
-        links = {(s, d): FaultPlan(delay_s=t) for (s, d), t in delay.items() if s == ADDRS[i]}
-        return FaultPlan(seed=i, links=links)
+        links = {
+            (s, d): FaultPlan(delay_s=t, loss=loss) for (s, d), t in delay.items() if s == ADDRS[i]
+        }
+        return FaultPlan(seed=i, loss=loss, links=links)
 
     return plan
 
@@ -134,13 +138,19 @@ async def run_rounds(
     weights: Sequence[float] = (1.0,) * N,
     compress: Callable[[], Any] | None = None,
     decades: float = 6.0,
+    drained: bool = False,
 ) -> tuple[list[list[list[torch.Tensor]]], list[list[CollectiveReport]], list[Any]]:
     """``n_rounds`` rounds on 4 fresh nodes under ``plan``: per round, every peer's
-    outputs and reports; the compress sessions (or Nones)."""
+    outputs and reports; the compress sessions (or Nones).  ``drained``: packets
+    handed over in drains of random sizes (the batched intake), not one by one."""
     clock = FakeClock()
     outs: list[list[list[torch.Tensor]]] = []
     reps: list[list[CollectiveReport]] = []
     async with cluster(N, config=cfg, clock=clock, faults=plan) as nodes:
+        calls: list[int] = []  # packets per drain
+        if drained:
+            for i, node in enumerate(nodes):
+                batched(node, 7 + i, calls)
         engines = [LossyAllReduce(node) for node in nodes]
         sessions = [compress() if compress is not None else None for _ in range(N)]
         for r in range(n_rounds):
@@ -151,6 +161,7 @@ async def run_rounds(
             ]
             reps.append(list(await drive(clock, asyncio.gather(*runs), timeout_s=30)))
             outs.append(xs)
+    assert not drained or max(calls) > 1
     return outs, reps, sessions
 
 
@@ -161,19 +172,24 @@ def replays(
     cfg: Config,
     monkeypatch: pytest.MonkeyPatch,
     n_rounds: int,
+    *,
+    drained: tuple[bool, bool] = (False, False),
     **kw: Any,
 ) -> tuple[list[Any], list[Any]]:
-    """The same rounds under two arrangements; asserts the arrival orders differ,
-    every round was lossless and complete, and every owner's sums are the same bits.
-    Returns both runs' (outputs, sessions)."""
+    """The same rounds under two arrangements (``drained``: per run, whether in
+    drains); asserts the arrival orders differ, every round was lossless and
+    complete, and every owner's sums are the same bits.  Returns both runs'
+    (outputs, sessions)."""
     seen = watch_arrivals(monkeypatch)
     sums = watch_sums(monkeypatch)
     runs, orders, owned = [], [], []
-    for seed in (1, 2):
+    for seed, drain in zip((1, 2), drained, strict=True):
         seen.clear()
         sums.clear()
         outs, reps, sessions = run_async(
-            run_rounds(run_async, cluster, drive, cfg, arrangement(seed), n_rounds, **kw)
+            run_rounds(
+                run_async, cluster, drive, cfg, arrangement(seed), n_rounds, drained=drain, **kw
+            )
         )
         for rr in reps:
             for rep in rr:
@@ -201,7 +217,15 @@ def assert_same_bits(a: list[list[list[torch.Tensor]]], b: list[list[list[torch.
 
 # --------------------------------------------------------------------------- engine
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("weights", [(1.0,) * N, (0.5, 1.0, 3.0, 0.37)], ids=["equal", "weighted"])
+@pytest.mark.parametrize(
+    ("weights", "drained"),
+    [
+        ((1.0,) * N, (False, False)),
+        ((0.5, 1.0, 3.0, 0.37), (False, False)),
+        ((1.0,) * N, (False, True)),
+    ],
+    ids=["equal", "weighted", "drained"],
+)
 def test_lossless_dense_round_replays_whatever_the_arrival_order(
     run_async: Callable[..., Any],
     cluster: Any,
@@ -209,8 +233,13 @@ def test_lossless_dense_round_replays_whatever_the_arrival_order(
     cfg: Config,
     monkeypatch: pytest.MonkeyPatch,
     weights: tuple[float, ...],
+    drained: tuple[bool, bool],
 ) -> None:
-    (a, _), (b, _) = replays(run_async, cluster, drive, cfg, monkeypatch, 2, weights=weights)
+    """Dense rounds, equal or unequal weights; the second run's packets handed over
+    in drains (stacked rows, the batched intake) against one by one."""
+    (a, _), (b, _) = replays(
+        run_async, cluster, drive, cfg, monkeypatch, 2, weights=weights, drained=drained
+    )
     assert_same_bits(a, b)
     for ra in a:  # and, as ever, every replica holds the same values
         for x in ra[1:]:
@@ -257,6 +286,58 @@ def test_lossless_compressed_rounds_replay_whatever_the_arrival_order(
         for key, energy in s.sk.items():
             assert torch.equal(energy, t.sk[key]), key
         assert all(torch.equal(e, f) for e, f in zip(s.e, t.e, strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_lossy_round_is_the_fixed_order_mean_of_what_arrived(
+    run_async: Callable[..., Any],
+    cluster: Any,
+    drive: Any,
+    cfg: Config,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """15% loss, the senders heard in a shuffled order: every owner's chunk is
+    exactly its own part plus the parts that arrived, in the round's order, over
+    their count; every peer holds that average where the broadcast reached it,
+    else its own input (stale)."""
+    from gossipnet.collectives.lossy import engine, scatter
+
+    arrived: dict[tuple[str, int, int], Any] = {}
+
+    def finish(rnd: Any) -> list[Any]:
+        shards = scatter.finish_rs(rnd)
+        for sh in shards:
+            arrived[(rnd.me, rnd.r, sh.bucket)] = (rnd, sh.average.clone())
+        return shards
+
+    monkeypatch.setattr(engine, "finish_rs", finish)
+    plan = arrangement(3, loss=0.15)
+    outs, reps, _ = run_async(run_rounds(run_async, cluster, drive, cfg, plan, 3))
+    assert sum(r.packets_lost for rr in reps for r in rr) > 0
+    partial = stale = 0
+    for (me, r, b), (rnd, avg) in arrived.items():
+        plan_b, owned = rnd.plans[b], rnd.owned[b]
+        red = rnd.reducers[b]
+        start = plan_b.chunk(owned.start)[0] if len(owned) else 0
+        xs = [inputs(r, i, 6.0)[b] for i in range(N)]
+        for c in owned:
+            off, n = plan_b.chunk(c)
+            want = xs[IDS.index(me)][off : off + n].clone()
+            count = 1
+            for s in IDS:
+                if s != me and red.has(s, c):
+                    want.add_(xs[IDS.index(s)][off : off + n])
+                    count += 1
+            want.div_(float(count))
+            partial += count < N
+            assert torch.equal(avg[off - start : off - start + n], want), (me, r, b, c)
+            for i in range(N):
+                got = outs[r][i][b][off : off + n]
+                if not torch.equal(got, want):
+                    assert torch.equal(got, xs[i][off : off + n]), (me, r, b, c, i)
+                    stale += 1
+    assert partial > 0  # some owner averaged a chunk without every part
+    assert stale > 0  # some broadcast was lost
 
 
 def test_arctopk_summed_sketch_does_not_depend_on_the_arrival_order() -> None:
