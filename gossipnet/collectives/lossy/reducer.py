@@ -26,9 +26,9 @@ the dtype's largest value for any number of contributions a run can have, and
 
 The order of the sum is fixed: our own part, then the senders' in the round's
 order (``senders``), whatever order their packets arrive in.  Why: float addition
-is not associative, so a sum taken in arrival order moved by an ulp or so from
-one run to the next, and a lossless run did not replay (nor did ARC-Top-K's
-near-tied block choices downstream).  So a part is not added when it arrives:
+is not associative, so a sum taken in arrival order differs by an ulp or so
+from one run to the next, and a lossless run would not replay (nor would
+ARC-Top-K's near-tied block choices downstream).  So a part is not added when it arrives:
 its values are kept in its sender's row of a store (a row per sender, each the
 shard's length: together ``(N - 1) / N`` of the bucket, in the accumulator's dtype), and
 :meth:`ShardReducer.average` adds the rows in order, one vector call per sender
@@ -148,6 +148,7 @@ class ShardReducer:
         "_pw",
         "_pw_np",
         "_row",
+        "_rows",
         "_seen",
         "_w",
         "_x",
@@ -190,6 +191,7 @@ class ShardReducer:
         # per sender, its parts' values (row k, chunk i at i * chunk_elems); only the
         # entries of parts that arrived are ever read
         self._x = store
+        self._rows = store.unbind(0)
         # the same memory as numpy rows, one per (sender, chunk): batches are stored
         # with one row assignment (``_add_rows``)
         self._grid = store.view(len(senders) * n, chunk_elems).numpy()
@@ -337,7 +339,7 @@ class ShardReducer:
         """Store one accepted part, the shard's chunk ``row``, in its sender's row."""
         k = self._row[sender]
         lo = row * self.chunk_elems
-        self._x[k, lo : lo + values.numel()].copy_(values)
+        self._rows[k][lo : lo + values.numel()].copy_(values)  # a 1-D view: one dispatch
         self._pw_np[k, row] = weight
 
     def _refuse(self, sender: str, chunk: int, numel: int, weight: float) -> str | None:
