@@ -234,9 +234,7 @@ def decode_rs(
         raise Bad("non_finite")
     vals = r.coded(nvals, sess.values)
     r.done()
-    energy = torch.zeros(m)
-    energy[ids] = sk.square_().mul_(w)
-    sess.sk_in.setdefault(key, {})[src] = energy
+    sess.sk_in.setdefault(key, {})[src] = (ids, sk.square_().mul_(w))  # ids: distinct
     sess.sk[key] = _summed_sketch(sess, rnd, key, m)
     sess.sk_w[key] = sess.sk_w.get(key, 0.0) + w
     if nvals == 0:
@@ -262,8 +260,9 @@ def _summed_sketch(sess: CompressSession, rnd: Any, key: tuple[int, int], m: int
     Why not a running sum: float addition is not associative, so a sum in arrival
     order moves by an ulp from run to run, and with it the choice among near-tied
     blocks (:func:`.topk.choose_blocks`): a lossless run would not replay.  Taken
-    again at every arrival (a few vector adds of one value per block): ``sess.sk``
-    always holds the sum of what arrived so far.
+    again at every arrival (a copy of one value per block, then each sender's
+    proposals): ``sess.sk`` always holds the sum of what arrived so far.  Each
+    sender's sketch is kept as it came, sparse (its proposed blocks' energies).
     """
     own = sess.sk_own.get(key)
     total = own.clone() if own is not None else torch.zeros(m)
@@ -271,7 +270,8 @@ def _summed_sketch(sess: CompressSession, rnd: Any, key: tuple[int, int], m: int
     for p in rnd.participants:
         part = got.get(p)
         if part is not None:
-            total.add_(part)
+            ids, energy = part
+            total[ids] = total[ids] + energy
     return total
 
 
