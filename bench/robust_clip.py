@@ -77,8 +77,10 @@ def main() -> None:
         for start in ("own", "median")
     }
 
+    store = torch.empty(args.peers - 1, n * STEP)  # the engine's pooled store, reused
+
     def mean(acc: torch.Tensor) -> ShardReducer:
-        return ShardReducer(acc, range(n), STEP, 1.0)
+        return ShardReducer(acc, range(n), STEP, 1.0, ids[1:], store=store)
 
     def clip(acc: torch.Tensor) -> ShardReducer:
         return ClippingReducer(acc, range(n), STEP, 1.0, rules["own"], ids, "p0")

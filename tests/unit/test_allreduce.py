@@ -885,7 +885,7 @@ def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
     input as soon as the call returns, while the broadcast may still be queued)
     into a pool of two sets used in alternation: no allocation per round after
     the second, and a round never writes into memory the previous round may
-    still be sending."""
+    still be sending.  The store of the contributions is reused every round."""
 
     def triple(shards: list[OwnedShard]) -> list[torch.Tensor]:
         return [s.average * 3 for s in shards]  # fresh tensors: broadcast from a copy
@@ -906,9 +906,10 @@ def test_round_buffers_are_reused_every_other_round_and_results_stay_exact(
                     torch.testing.assert_close(x[0].double(), want, rtol=1e-6, atol=1e-6)
                 slots = engines[0]._pool._slots
                 ptrs.append({t.data_ptr() for t in slots.values()})
-            assert {k[1] for k in engines[0]._pool._slots} == {"bcast"}  # no accumulator
-            assert len(ptrs[0]) == 1  # the broadcast copy
-            assert len(ptrs[1]) == 2  # the other set
+            # no accumulator; the store of the others' parts (.reducer) is one set
+            assert {k[1] for k in engines[0]._pool._slots} == {"bcast", "parts"}
+            assert len(ptrs[0]) == 2  # the broadcast copy and the store
+            assert len(ptrs[1]) == 3  # the other set's broadcast copy
             assert ptrs[1] == ptrs[2] == ptrs[3] == ptrs[4]  # reused, never reallocated
 
     run_async(main())

@@ -241,7 +241,7 @@ def test_a_contribution_that_would_overflow_the_sum_is_a_counted_drop(
 
 def test_the_reducer_refuses_weights_and_values_that_overflow() -> None:
     acc = torch.zeros(512)
-    red = ShardReducer(acc, range(0, 2), 256, 1.0)
+    red = ShardReducer(acc, range(0, 2), 256, 1.0, ("p1", "p2", "p3"))
     ones = torch.ones(256)
     assert red.accumulate("p1", 0, ones, 1e300) == "bad_weight"
     assert red.accumulate("p1", 0, ones, float("nan")) == "bad_weight"

@@ -10,11 +10,13 @@ import torch
 from gossipnet.collectives.lossy.reducer import ShardReducer
 
 CHUNK = 4
+#: Everyone the tests' reducers take parts from.
+SENDERS = ("b", "c", "d", "e", *(f"p{j}" for j in range(1, 8)))
 
 
 def _reducer(own: torch.Tensor, weight: float = 1.0, first: int = 0) -> ShardReducer:
     n = -(-own.numel() // CHUNK)
-    return ShardReducer(own.clone(), range(first, first + n), CHUNK, weight)
+    return ShardReducer(own.clone(), range(first, first + n), CHUNK, weight, SENDERS)
 
 
 def _parts(x: torch.Tensor) -> list[torch.Tensor]:
@@ -121,9 +123,11 @@ def test_zero_weight_keeps_own_values() -> None:
 
 def test_bad_construction_raises() -> None:
     with pytest.raises(ValueError, match="weight"):
-        ShardReducer(torch.zeros(4), range(1), CHUNK, float("nan"))
+        ShardReducer(torch.zeros(4), range(1), CHUNK, float("nan"), SENDERS)
     with pytest.raises(ValueError, match="chunks"):
-        ShardReducer(torch.zeros(4), range(2), CHUNK, 1.0)
+        ShardReducer(torch.zeros(4), range(2), CHUNK, 1.0, SENDERS)
+    with pytest.raises(ValueError, match="store"):
+        ShardReducer(torch.zeros(4), range(1), CHUNK, 1.0, SENDERS, store=torch.zeros(4))
 
 
 def _random_parts(seed: int, dtype: torch.dtype) -> list[tuple[str, int, torch.Tensor, float]]:
@@ -183,8 +187,8 @@ def test_large_chunks_are_added_one_call_each(monkeypatch: pytest.MonkeyPatch) -
     step = chunks.STACK_MAX_BYTES // 4 * 2  # float32: twice the stacking limit
     gen = torch.Generator().manual_seed(5)
     own = torch.randn(3 * step, generator=gen)
-    one = ShardReducer(own.clone(), range(3), step, 1.0)
-    many = ShardReducer(own.clone(), range(3), step, 1.0)
+    one = ShardReducer(own.clone(), range(3), step, 1.0, SENDERS)
+    many = ShardReducer(own.clone(), range(3), step, 1.0, SENDERS)
     parts = [
         (s, c, torch.randn(step, generator=gen), w)
         for s, w in (("b", 1.0), ("c", 0.5))

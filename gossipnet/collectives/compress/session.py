@@ -78,6 +78,8 @@ class CompressSession(SessionState):
         self.param_mode = param_mode
         self.counters.clear()
         self.sk.clear()
+        self.sk_own.clear()
+        self.sk_in.clear()
         self.sk_w.clear()
         self.hot.clear()
         self.tau2.clear()

@@ -115,7 +115,8 @@ def compress_own(sess: CompressSession, rnd: Any) -> None:
                     _counted(sess, rnd.me, b).index_add_(0, idx + off, vals)
             if sess.family == "topk":
                 energy = sess.sketch(b, off, e_c + sess.m[b][off : off + n]).square_()
-                sess.sk[(b, c)] = energy * w
+                sess.sk_own[(b, c)] = energy.mul_(w)
+                sess.sk[(b, c)] = energy.clone()
                 sess.sk_w[(b, c)] = w
 
 
@@ -233,10 +234,8 @@ def decode_rs(
         raise Bad("non_finite")
     vals = r.coded(nvals, sess.values)
     r.done()
-    energy = torch.zeros(m)
-    energy[ids] = sk.square_().mul_(w)
-    prior = sess.sk.get(key)
-    sess.sk[key] = energy if prior is None else prior.add_(energy)
+    sess.sk_in.setdefault(key, {})[src] = (ids, sk.square_().mul_(w))  # ids: distinct
+    sess.sk[key] = _summed_sketch(sess, rnd, key, m)
     sess.sk_w[key] = sess.sk_w.get(key, 0.0) + w
     if nvals == 0:
         sess.counters["sketch_only"] += 1
@@ -252,6 +251,28 @@ def decode_rs(
         raise Bad("compressed_count")
     dense[idx] = vals
     return _got(sess, key, src, w, dense)
+
+
+def _summed_sketch(sess: CompressSession, rnd: Any, key: tuple[int, int], m: int) -> torch.Tensor:
+    """The sketches of chunk ``key`` that arrived, summed in a fixed order: our own,
+    then the participants' in the round's order.
+
+    Why not a running sum: float addition is not associative, so a sum in arrival
+    order moves by an ulp from run to run, and with it the choice among near-tied
+    blocks (:func:`.topk.choose_blocks`): a lossless run would not replay.  Taken
+    again at every arrival (a copy of one value per block, then each sender's
+    proposals): ``sess.sk`` always holds the sum of what arrived so far.  Each
+    sender's sketch is kept as it came, sparse (its proposed blocks' energies).
+    """
+    own = sess.sk_own.get(key)
+    total = own.clone() if own is not None else torch.zeros(m)
+    got = sess.sk_in.get(key, {})
+    for p in rnd.participants:
+        part = got.get(p)
+        if part is not None:
+            ids, energy = part
+            total[ids] = total[ids] + energy
+    return total
 
 
 def _same_codec(sess: CompressSession, codec: int) -> None:

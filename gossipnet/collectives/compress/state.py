@@ -90,7 +90,13 @@ class SessionState:
         self.force: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self.bm_prev: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
         self.pending: dict[tuple[int, int, int], tuple[str, int, torch.Tensor, torch.Tensor]] = {}
+        # per owned chunk, this round: the summed sketch (block energies) that chooses
+        # its next set, made of our own and each sender's (its proposed blocks and
+        # their energies), kept apart (sk_own, sk_in) so that the sum is taken in a
+        # fixed order, never in arrival order (.sparse)
         self.sk: dict[tuple[int, int], torch.Tensor] = {}
+        self.sk_own: dict[tuple[int, int], torch.Tensor] = {}
+        self.sk_in: dict[tuple[int, int], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
         self.sk_w: dict[tuple[int, int], float] = {}  # weight of the sketches summed
         # per bucket, this round: running count of our own whole-bucket sketch's top
         # blocks, which shares the bucket's budget out over the chunks (.budget.next_size)

@@ -8,7 +8,9 @@ chunk's owner, once, never retransmitted.  The owner averages, per chunk,
 the contributions that arrived, weighting each by the sender's weight and
 dividing by the weights that arrived (its own always counts), so under
 random loss the estimate is unbiased; dividing by N instead would be
-biased low by about (1 - p).  In the all-gather each owner sends its
+biased low by about (1 - p).  It adds them in a fixed order (its own, then
+the others' in the round's order), never in arrival order: the same inputs
+give the same bits on every run (:mod:`.reducer`).  In the all-gather each owner sends its
 averaged chunks to everyone; a peer that misses one keeps its own value
 for it (stale, never zero) and the report counts it.
 

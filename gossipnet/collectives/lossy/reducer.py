@@ -24,11 +24,22 @@ the dtype's largest value for any number of contributions a run can have, and
 ``add_``'s ``alpha`` always fits the accumulator.  A part outside them is refused
 (``bad_weight``, ``non_finite``, ``value_range``), never added.
 
-All work is in vector operations: per chunk (:meth:`ShardReducer.accumulate`), or per
-batch of chunks (:meth:`ShardReducer.accumulate_batch`: what one receive drain
-delivered, checked in one norm reduction per row and added with one ``index_add_``
-per run of equal weights).  Both add in arrival order with the same kernel
-(``add_(values, alpha=w)`` per row), so a batch gives bit-identical sums.
+The order of the sum is fixed: our own part, then the senders' in the round's
+order (``senders``), whatever order their packets arrive in.  Why: float addition
+is not associative, so a sum taken in arrival order differs by an ulp or so
+from one run to the next, and a lossless run would not replay (nor would
+ARC-Top-K's near-tied block choices downstream).  So a part is not added when it arrives:
+its values are kept in its sender's row of a store (a row per sender, each the
+shard's length: together ``(N - 1) / N`` of the bucket, in the accumulator's dtype), and
+:meth:`ShardReducer.average` adds the rows in order, one vector call per sender
+(one per run of equal weight where parts are missing).  The sum then depends
+only on which parts arrived, never on when: the same inputs give the same bits.
+
+The per-packet work stays in vector operations: per chunk (:meth:`ShardReducer.accumulate`:
+a norm reduction and a copy into the sender's row), or per batch of chunks
+(:meth:`ShardReducer.accumulate_batch`: what one receive drain delivered, checked in one
+norm reduction per row and copied with one row assignment), and the two store the
+same values, so a batch gives bit-identical sums.
 The per-chunk counters are numpy views of the ``weights``/``contributors`` tensors:
 a scalar update of a tensor element costs ~4 us through the dispatcher, of a numpy
 element ~0.15 us, and there is one per packet.
@@ -36,7 +47,6 @@ element ~0.15 us, and there is one per packet.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
@@ -119,35 +129,76 @@ class ShardReducer:
         weight: our own weight, in ``[0, MAX_WEIGHT]``; ``acc`` is scaled by it here.
             Our own values are not checked against :data:`VALUE_LIMIT` (they are
             the caller's to keep finite).
+        senders: who may contribute (not us), in the order their parts are added;
+            a part from anyone else is refused (``not_participant``).
+        store: scratch for the senders' parts, ``[len(senders), len(chunks) *
+            chunk_elems]`` of ``acc``'s dtype, any contents (the caller's pool);
+            None: allocated here.
 
     Raises:
-        ValueError: ``weight`` outside ``[0, MAX_WEIGHT]``, or ``acc`` shorter than ``chunks``.
+        ValueError: ``weight`` outside ``[0, MAX_WEIGHT]``, ``acc`` shorter than
+            ``chunks``, or a ``store`` of another shape or dtype.
     """
 
     __slots__ = (
         "_failed",
+        "_grid",
         "_n",
+        "_own_w",
+        "_pw",
+        "_pw_np",
+        "_row",
+        "_rows",
         "_seen",
         "_w",
+        "_x",
         "acc",
         "chunk_elems",
         "chunks",
         "closed",
         "contributors",
+        "senders",
         "weights",
     )
 
-    def __init__(self, acc: torch.Tensor, chunks: range, chunk_elems: int, weight: float) -> None:
+    def __init__(
+        self,
+        acc: torch.Tensor,
+        chunks: range,
+        chunk_elems: int,
+        weight: float,
+        senders: Sequence[str],
+        *,
+        store: torch.Tensor | None = None,
+    ) -> None:
         if not valid_weight(weight):
             raise ValueError(f"weight must be a number in [0, {MAX_WEIGHT:.0f}], got {weight}")
         if chunk_elems < 1 or acc.numel() <= (len(chunks) - 1) * chunk_elems:
             raise ValueError(f"{acc.numel()} elements cannot hold {len(chunks)} chunks")
+        n = len(chunks)
+        shape = (len(senders), n * chunk_elems)
+        if store is None:
+            store = torch.empty(shape, dtype=acc.dtype)
+        elif tuple(store.shape) != shape or store.dtype != acc.dtype:
+            raise ValueError(f"store must be {shape} of {acc.dtype}, got {tuple(store.shape)}")
         if weight != 1.0:
             acc.mul_(weight)
         self.acc = acc
         self.chunks = chunks
         self.chunk_elems = chunk_elems
-        n = len(chunks)
+        self.senders = tuple(senders)
+        self._row = {s: k for k, s in enumerate(self.senders)}
+        # per sender, its parts' values (row k, chunk i at i * chunk_elems); only the
+        # entries of parts that arrived are ever read
+        self._x = store
+        self._rows = store.unbind(0)
+        # the same memory as numpy rows, one per (sender, chunk): batches are stored
+        # with one row assignment (``_add_rows``)
+        self._grid = store.view(len(senders) * n, chunk_elems).numpy()
+        # per sender and chunk, the weight its part came with (0: none came)
+        self._pw = torch.zeros(len(senders), n, dtype=torch.float64)
+        self._pw_np = self._pw.numpy()  # the same memory: cheap scalar writes
+        self._own_w = float(weight)
         self.weights = torch.full((n,), float(weight), dtype=torch.float64)
         self.contributors = torch.ones(n, dtype=torch.int32)  # us
         self._w = self.weights.numpy()  # the same memory: cheap scalar updates
@@ -163,7 +214,7 @@ class ShardReducer:
     def accumulate(
         self, sender: str, chunk: int, values: torch.Tensor, weight: float, *, check: bool = True
     ) -> str | None:
-        """Add ``weight * values`` into ``chunk``'s sum; None, or why it was refused.
+        """Take ``weight * values`` into ``chunk``'s sum; None, or why it was refused.
 
         Args:
             sender: who sent the part; each sender counts once per chunk.
@@ -174,10 +225,11 @@ class ShardReducer:
                 (False: the caller checked them).
 
         Returns:
-            None when added; else ``"late"`` (averaged already), ``"bad_weight"``,
-            ``"not_owner"`` (a chunk outside the shard), ``"failed_sender"``,
-            ``"duplicate"``, ``"layout_mismatch"`` (wrong length), ``"non_finite"``
-            or ``"value_range"`` (finite, but its norm is past :data:`VALUE_LIMIT`).
+            None when taken; else ``"late"`` (averaged already), ``"bad_weight"``,
+            ``"not_owner"`` (a chunk outside the shard), ``"not_participant"``
+            (a sender outside ``senders``), ``"failed_sender"``, ``"duplicate"``,
+            ``"layout_mismatch"`` (wrong length), ``"non_finite"`` or
+            ``"value_range"`` (finite, but its norm is past :data:`VALUE_LIMIT`).
         """
         reason = self._refuse(sender, chunk, values.numel(), weight)
         if reason is None and check and not _norm_ok(values, self.acc.dtype):
@@ -198,13 +250,12 @@ class ShardReducer:
         """:meth:`accumulate` each of ``parts`` in order, in a few tensor operations.
 
         Why: one drain of the receive socket delivers tens of chunks; per chunk,
-        a finiteness reduction and an ``add_`` cost ~2 us of dispatch each.  Here
+        a finiteness reduction and a copy cost ~2 us of dispatch each.  Here
         the full-length parts of small chunks (:func:`worth_stacking`; larger ones
         take one call each) are stacked once (one copy), checked with one row norm,
-        and added with one ``index_add_`` per run of equal weights, which adds
-        row by row in order with the same kernel as ``add_``: the sums are
-        bit-identical to accumulating the parts one by one, and every refusal
-        rule (and its reason) is the same, decided in the same order.
+        and stored with one row assignment: the same values as the parts one by
+        one, and every refusal rule (and its reason) is the same, decided in the
+        same order.
 
         ``stacked``: ``(block, members)``, the caller's stack already made
         (:class:`.rows.ChunkRows`: the payloads joined once): row ``r`` of
@@ -212,7 +263,7 @@ class ShardReducer:
         may carry None as values.  Without it, parts are stacked here.
 
         Returns:
-            Per part, None when added, else the refusal reason (:meth:`accumulate`).
+            Per part, None when taken, else the refusal reason (:meth:`accumulate`).
         """
         if stacked is not None:
             block: torch.Tensor | None = stacked[0]
@@ -235,7 +286,7 @@ class ShardReducer:
         if check and block is not None:
             in_range = _norms_ok(block, self.acc.dtype)
         if block is not None and block.dtype != self.acc.dtype:
-            block = block.to(self.acc.dtype)  # exact (wider), as add_ promotes it
+            block = block.to(self.acc.dtype)  # exact (wider): the store's dtype
         reasons: list[str | None] = []
         taken: list[tuple[int, int, float]] = []  # (part, chunk row, weight)
         width = block.shape[1] if block is not None else 0
@@ -264,31 +315,32 @@ class ShardReducer:
         rows: dict[int, int],
         stacked: torch.Tensor | None,
     ) -> None:
-        """Add the taken parts in order: stacked rows by runs of equal weight."""
-        acc, step = self.acc, self.chunk_elems
-        grid = acc[: (acc.numel() // step) * step].view(-1, step)
-        run: list[tuple[int, int]] = []  # (stacked row, chunk row) of one weight
-        run_w = 0.0
-        for i, row, weight in [*taken, (-1, -1, math.nan)]:
+        """Store the taken parts: the stacked rows with one row assignment."""
+        n = len(self.chunks)
+        src: list[int] = []  # stacked rows
+        dst: list[int] = []  # their (sender, chunk) rows of the store
+        for i, row, weight in taken:
             r = rows.get(i) if stacked is not None else None
-            if run and (r is None or weight != run_w):
-                src = cast(torch.Tensor, stacked)  # runs hold stacked rows only
-                if len(run) != len(src):  # some refused, or runs of other weights
-                    src = src.index_select(0, torch.tensor([x for x, _ in run]))
-                grid.index_add_(0, torch.tensor([y for _, y in run]), src, alpha=run_w)
-                run = []
-            if i < 0:
-                break
-            if r is not None:
-                run.append((r, row))
-                run_w = weight
-            else:  # not stacked: it has values
+            if r is None:  # not stacked: it has values
                 self._add(parts[i][0], row, cast(torch.Tensor, parts[i][2]), weight)
+                continue
+            k = self._row[parts[i][0]]
+            self._pw_np[k, row] = weight
+            src.append(r)
+            dst.append(k * n + row)
+        if dst:
+            block = cast(torch.Tensor, stacked).numpy()
+            if src != list(range(len(block))):  # some refused, or not stacked in order
+                block = block[src]
+            # numpy's row assignment: faster than index_copy_ for rows of chunk size
+            self._grid[dst] = block
 
     def _add(self, sender: str, row: int, values: torch.Tensor, weight: float) -> None:
-        """Add one accepted part, the shard's chunk ``row``, into the sums."""
+        """Store one accepted part, the shard's chunk ``row``, in its sender's row."""
+        k = self._row[sender]
         lo = row * self.chunk_elems
-        self.acc[lo : lo + values.numel()].add_(values, alpha=weight)
+        self._rows[k][lo : lo + values.numel()].copy_(values)  # a 1-D view: one dispatch
+        self._pw_np[k, row] = weight
 
     def _refuse(self, sender: str, chunk: int, numel: int, weight: float) -> str | None:
         """Why a part cannot be added, checked cheapest first; None if it can."""
@@ -298,6 +350,8 @@ class ShardReducer:
             return "bad_weight"
         if chunk not in self.chunks:
             return "not_owner"
+        if sender not in self._row:
+            return "not_participant"
         if sender in self._failed:
             return "failed_sender"
         if (sender, chunk) in self._seen:
@@ -324,15 +378,25 @@ class ShardReducer:
         self._failed.add(sender)
 
     def average(self, own: torch.Tensor) -> torch.Tensor:
-        """Divide each chunk's sum by the weight that arrived for it; closes the reducer.
+        """Add the stored parts in ``senders`` order and divide each chunk's sum by
+        the weight that arrived for it; closes the reducer.
 
-        In place in ``acc`` (one pass, no copy), which is returned.  A chunk whose
-        arrived weights sum to 0 takes ``own`` (our unweighted values of the shard).
+        In place in ``acc`` (one pass per sender, no copy), which is returned.  A
+        chunk whose arrived weights sum to 0 takes ``own`` (our unweighted values of
+        the shard).  The weights are summed in the same order, so ``weights`` too
+        depends only on which parts arrived.
         """
         self.closed = True
         acc, n_elems, step = self.acc, self.acc.numel(), self.chunk_elems
         if not len(self.chunks):
             return acc
+        total = torch.full_like(self.weights, self._own_w)
+        for k in range(len(self.senders)):
+            pw = self._pw[k]
+            if bool((pw > 0).any()):
+                self._add_sender(k, pw)
+                total += pw
+        self.weights.copy_(total)
         safe = self.weights.to(acc.dtype).clamp_min(1e-30)
         n_full = min(len(self.chunks), n_elems // step)
         if n_full:
@@ -346,3 +410,18 @@ class ShardReducer:
                 hi = min(lo + step, n_elems)
                 acc[lo:hi].copy_(own[lo:hi])
         return acc
+
+    def _add_sender(self, k: int, pw: torch.Tensor) -> None:
+        """``acc += w * x_k`` over the chunks sender ``k``'s parts arrived for (weight
+        > 0): one ``add_`` per run of consecutive chunks that came with one weight
+        (one in all for a sender whose every part arrived).  The calls depend only
+        on which parts arrived.  (Not ``index_add_``: it starts the intra-op thread
+        pool even for a few rows, which can stall a call on a busy machine.)"""
+        acc, x, step = self.acc, self._x[k], self.chunk_elems
+        n_elems, weights = acc.numel(), pw.tolist()
+        cuts = torch.nonzero(pw[1:] != pw[:-1]).flatten().add_(1).tolist()
+        for lo, hi in zip([0, *cuts], [*cuts, len(weights)], strict=True):
+            w = weights[lo]
+            if w > 0:
+                a, b = lo * step, min(hi * step, n_elems)
+                acc[a:b].add_(x[a:b], alpha=w)

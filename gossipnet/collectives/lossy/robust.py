@@ -35,11 +35,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal
 
 import torch
 
-from gossipnet.collectives.lossy.reducer import Part, ShardReducer
+from gossipnet.collectives.lossy.reducer import ShardReducer
 
 __all__ = ("CenteredClip", "ClippingReducer", "Start", "centered_clip")
 
@@ -106,8 +106,8 @@ def centered_clip(
 
 
 class ClippingReducer(ShardReducer):
-    """A :class:`~.reducer.ShardReducer` that keeps every contribution and averages
-    by :func:`centered_clip`: the same refusals, counters and ``average`` contract.
+    """A :class:`~.reducer.ShardReducer` that averages by :func:`centered_clip`: the
+    same store of every contribution, refusals, counters and ``average`` contract.
 
     Args:
         acc, chunks, chunk_elems, weight: as :class:`~.reducer.ShardReducer`.
@@ -116,7 +116,7 @@ class ClippingReducer(ShardReducer):
         me: this peer (row 0: ``acc``'s values, unweighted).
     """
 
-    __slots__ = ("_pw", "_pw_np", "_row", "_x", "rule")
+    __slots__ = ("_all", "rule")
 
     def __init__(
         self,
@@ -129,72 +129,34 @@ class ClippingReducer(ShardReducer):
         me: str,
     ) -> None:
         others = [s for s in senders if s != me]
-        self._row = {me: 0} | {s: i + 1 for i, s in enumerate(others)}
-        self._x = torch.zeros(len(self._row), acc.numel(), dtype=acc.dtype)
-        self._x[0].copy_(acc)  # before the base scales acc by our weight
-        super().__init__(acc, chunks, chunk_elems, weight)
+        # row 0 ours, then the others' (the base's store); zeros where nothing arrived,
+        # as centered_clip needs
+        block = torch.zeros(len(others) + 1, len(chunks) * chunk_elems, dtype=acc.dtype)
+        block[0, : acc.numel()].copy_(acc)  # before the base scales acc by our weight
+        super().__init__(acc, chunks, chunk_elems, weight, others, store=block[1:])
+        self._all = block
         self.rule = rule
-        # per sender and chunk, the weight its part came with (0: none came)
-        self._pw = torch.zeros(len(self._row), len(chunks), dtype=torch.float64)
-        self._pw[0] = float(weight)
-        self._pw_np = self._pw.numpy()  # the same memory: cheap scalar writes
-
-    def _refuse(self, sender: str, chunk: int, numel: int, weight: float) -> str | None:
-        if sender not in self._row:
-            return "not_participant"
-        return super()._refuse(sender, chunk, numel, weight)
-
-    def _add(self, sender: str, row: int, values: torch.Tensor, weight: float) -> None:
-        """Keep one accepted part: sender's values of the shard's chunk ``row``."""
-        lo = row * self.chunk_elems
-        k = self._row[sender]
-        self._x[k, lo : lo + values.numel()].copy_(values)
-        self._pw_np[k, row] = weight
-
-    def _add_rows(
-        self,
-        parts: Sequence[Part],
-        taken: list[tuple[int, int, float]],
-        rows: dict[int, int],
-        stacked: torch.Tensor | None,
-    ) -> None:
-        """Keep the taken parts: stacked rows with one ``index_copy_`` per sender."""
-        step = self.chunk_elems
-        runs: dict[int, tuple[list[int], list[int]]] = {}  # sender row -> (stacked, chunk)
-        for i, row, weight in taken:
-            r = rows.get(i) if stacked is not None else None
-            if r is None:
-                self._add(parts[i][0], row, cast(torch.Tensor, parts[i][2]), weight)
-                continue
-            k = self._row[parts[i][0]]
-            self._pw_np[k, row] = weight
-            src, dst = runs.setdefault(k, ([], []))
-            src.append(r)
-            dst.append(row)
-        for k, (src, dst) in runs.items():
-            block = cast(torch.Tensor, stacked)
-            grid = self._x[k, : (self._x.shape[1] // step) * step].view(-1, step)
-            grid.index_copy_(0, torch.tensor(dst), block.index_select(0, torch.tensor(src)))
 
     def average(self, own: torch.Tensor) -> torch.Tensor:
         """Centered clipping per chunk into ``acc``, which is returned; a chunk with no
         weight keeps our own values (``own`` is not read: row 0 holds them)."""
         self.closed = True
-        acc, step, k = self.acc, self.chunk_elems, self._x.shape[0]
+        acc, step, k = self.acc, self.chunk_elems, self._all.shape[0]
         n_elems = acc.numel()
         if not len(self.chunks):
             return acc
         n_full = min(len(self.chunks), n_elems // step)
-        pw = self._pw.clone()
+        own_w = torch.full((1, len(self.chunks)), self._own_w, dtype=torch.float64)
+        pw = torch.cat([own_w, self._pw])
         zero = pw.sum(0) <= 0
         pw[0, zero] = 1.0  # no weight arrived: our own values, as the mean does
         rule = self.rule
         if n_full:
-            x = self._x[:, : n_full * step].view(k, n_full, step)
+            x = self._all[:, : n_full * step].view(k, n_full, step)
             got = centered_clip(x, pw[:, :n_full], rule.tau, rule.iters, rule.start)
             acc[: n_full * step].view(n_full, step).copy_(got)
         if n_elems > n_full * step:
-            x = self._x[:, n_full * step :].view(k, 1, -1)
+            x = self._all[:, n_full * step : n_elems].view(k, 1, -1)
             got = centered_clip(x, pw[:, n_full:], rule.tau, rule.iters, rule.start)
             acc[n_full * step :].copy_(got[0])
         return acc

@@ -60,6 +60,12 @@ class BufferPool:
             self._slots[key] = t
         return t
 
+    def scratch(self, name: str, bucket: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """:meth:`get` from a single set, the same tensor every round: for what no
+        packet is sent from and nothing reads once the reduce-scatter is averaged
+        (the reducers' stores of contributions)."""
+        return self.get(-1, name, bucket, numel, dtype)
+
 
 @dataclass
 class Phase:
@@ -260,7 +266,13 @@ class Round:
             return ClippingReducer(
                 acc, self.owned[b], step, weight, robust, self.participants, self.me
             )
-        return ShardReducer(acc, self.owned[b], step, weight)
+        # the others' parts, added in this (the round's) order: the sum does not
+        # depend on arrival order, so a lossless round replays bit for bit
+        senders = [p for p in self.participants if p != self.me]
+        row = len(self.owned[b]) * step
+        store = self.pool.scratch("parts", b, len(senders) * row, acc_dtype)
+        store = store.view(len(senders), row)
+        return ShardReducer(acc, self.owned[b], step, weight, senders, store=store)
 
     def rs_expected(self, peer: str) -> int:
         """Reduce-scatter packets ``peer`` sends us if it shares our view."""

@@ -4,10 +4,11 @@ Split from :mod:`gossipnet.collectives.lossy.engine`, which drives the round and
 routes packets; this module holds what the first phase does.  Each peer sends
 every chunk it does not own to the chunk's owner, once, in a staggered
 round-robin over the owners, from a read-only view of ``src`` (no copy), then
-an END marker per owner saying how many it sent.  The owner adds each
-contribution into its accumulator weighted by the sender's weight, and at the
-phase's end divides each chunk by the weights that arrived for it: unbiased
-under random loss, where dividing by N would be biased low by about (1 - p).
+an END marker per owner saying how many it sent.  The owner keeps each
+contribution (:mod:`.reducer`), and at the phase's end adds them up weighted by
+their senders' weights, in a fixed order (arrival order would change the bits
+from run to run), and divides each chunk by the weights that arrived for it:
+unbiased under random loss, where dividing by N would be biased low by about (1 - p).
 The second phase, the all-gather, is :mod:`gossipnet.collectives.lossy.gather`.
 """
 
