@@ -34,6 +34,7 @@ from gossipnet.collectives.compress import Compression, CompressSession
 from gossipnet.collectives.compress import resolve as resolve_compress
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.collectives.lossy.robust import CenteredClip
+from gossipnet.collectives.lossy.wirebytes import add_resync_bytes
 from gossipnet.collectives.route.averager import RouteTime
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
@@ -264,6 +265,7 @@ class Peer:
             report.extra["resync"] = 1.0
             report.extra["resync_moved"] = resync.extra["resync_moved"]
             report.extra["resync_chunks_stale"] = float(resync.chunks_stale)
+            add_resync_bytes(report, resync)
         # the resync's loop CPU counts too (its caller share is in this thread's time)
         resync_s = resync.extra.get(CPU_LOOP_KEY, 0.0) if resync is not None else 0.0
         stamp_cpu(report, loop_s + resync_s, time.thread_time() - cpu0)
