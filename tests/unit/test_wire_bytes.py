@@ -226,3 +226,36 @@ def test_a_step_call_reports_its_round_and_its_resync() -> None:
         # the dense resync is on both sides of the first call's ratio
         assert first["bytes_sent"] > first["resync_bytes"] + second["bytes_sent"] / 2
         assert first["compression_ratio"] < second["compression_ratio"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"redundancy": 2}, {"parity_group": 4, "parity_always": True}],
+    ids=["plain", "redundancy-2", "parity-4"],
+)
+def test_bytes_dense_is_what_a_dense_round_of_the_settings_sends(
+    run_async: Callable[..., Any], cluster: Any, drive: Any, cfg: Config, extra: dict[str, Any]
+) -> None:
+    """A compressed round's ``bytes_dense`` against the ``bytes_sent`` of dense rounds
+    run on the same settings (the dense round's own copies and parity included, its
+    ENDs too): equal but for the few bytes the END counts' encodings differ by.  From
+    the third round on: until then how many END copies each engine sends follows when
+    its peers' heartbeats said "no loss here", which virtual time orders differently
+    for the two runs (``bytes_dense`` counts the round's ENDs as they were)."""
+    config = cfg.replace(**extra)
+    got: dict[str, list[list[CollectiveReport]]] = {}
+
+    async def one(name: str, spec: Any) -> None:
+        clock = FakeClock()
+        async with cluster(N, config=config, clock=clock) as nodes:
+            got[name] = await _rounds(drive, clock, nodes, 4, spec)
+
+    run_async(one("dense", None))
+    run_async(one("arctopk", ArcTopK(density=0.05)))
+    run_async(one("int8", gossipnet.Int8()))
+    for r in (2, 3):
+        for i in range(N):
+            want = got["dense"][r][i].extra["bytes_sent"]
+            for name in ("arctopk", "int8"):
+                assert got[name][r][i].extra["bytes_dense"] == pytest.approx(want, rel=1e-3)
