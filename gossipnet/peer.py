@@ -144,7 +144,10 @@ class Peer:
         reason), ``engine_drops`` (per collective engine, e.g. ``"lossy:ar"``: data
         refused as late, duplicate, for another layout, ...), ``heartbeat_errors``,
         ``loop_stalls`` (times our event loop did not run long enough to make a live peer
-        look dead, and their seconds: the other peers are not declared dead for those)."""
+        look dead, and their seconds: the other peers are not declared dead for those),
+        ``wire`` (every byte this peer sent since it joined: ``sent_bytes``, of which
+        ``control_bytes`` (introductions, heartbeats, views, acks), ``collective_bytes``
+        per engine (what the reports' ``bytes_sent`` add up to) and ``other_bytes``)."""
         return self._runtime.stats()
 
     def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:
@@ -207,7 +210,8 @@ class Peer:
                 then the average of the compressed contributions, and the error
                 feedback (per compressor and layout, kept by this peer) carries
                 what was not sent into later calls.  The report's ``extra`` has
-                ``bytes_sent``, ``bytes_dense``, ``compression_ratio``.
+                ``bytes_dense`` (what a dense call of the same settings sends) and
+                ``compression_ratio`` (``bytes_dense / bytes_sent``).
             step: the optimizer whose gradients ``tensors`` are, stepped here after
                 the round.  With :class:`gossipnet.ArcTopK` or :class:`gossipnet.DCT`
                 and Adam or AdamW it takes the catch-up step (each value as the
@@ -225,6 +229,9 @@ class Peer:
 
         Returns:
             The round's :class:`CollectiveReport`; packet loss never raises.
+            ``extra["bytes_sent"]``: the frame bytes of every packet of the call this
+            peer put on the wire (copies, parity, ENDs and a ``step=`` resync included,
+            its share in ``resync_bytes``); ``net.stats()["wire"]`` has the whole run's.
 
         Raises:
             ConfigError: ``compress`` is not one of the above.
