@@ -10,8 +10,13 @@ phases of the round compressed), same model, data and fault seeds for every
 row, at 0% and 10% seeded random loss.  Two tasks: the demo's character-level
 transformer (``gossipnet.demo``; quality = held-out perplexity) and a synthetic
 teacher-student regression (quality = held-out MSE).  Bytes per step: every
-byte the peers' transports sent during training (data, ENDs, heartbeats),
-summed over peers, divided by the steps.
+byte the peers sent during training (``net.stats()["wire"]["sent_bytes"]``: data,
+copies, ENDs, resyncs, heartbeats and other control, the packets the fault plan
+lost included), summed over peers, divided by the steps.  Two ratios per row:
+``report_ratio``, what the reports say (the sum of their ``bytes_dense`` over the
+sum of their ``bytes_sent``, every call and the final resync, summed over peers:
+the collectives' own traffic), and ``wire_ratio``, the dense row's bytes per step
+(same task and loss) over this row's (the whole run, control included).
 
 Rows: ``dense``, ``bf16``, ``int8``, ``arctopk`` (density ``--density``),
 ``dct`` (same density), ``accordion`` (ArcTopK, low 10x the density, high the
@@ -59,8 +64,10 @@ gloo and DDP+PowerSGD baselines) is ``--testbed`` (``_compression_testbed.py``).
     .venv/bin/python bench/compression.py --tasks demo --losses 0 --seeds 5 --values int8 \
         --rows accordion@0.1/0.015/20 arctopk@0.04 arctopk@0.05 arctopk@0.06 arctopk@0.07
 
-``--seed-from K`` starts at seed K, so a second run adds seeds to a first one (each
-prints one line per seed; medians over both are the reader's).
+``--every-row`` runs every row at every loss with ``--seeds`` seeds (the figures of
+both byte ratios for every compressor in docs/benchmarks.md).  ``--seed-from K`` starts
+at seed K, so a second run adds seeds to a first one (each prints one line per seed;
+medians over both are the reader's).
 """
 
 from __future__ import annotations
@@ -253,6 +260,14 @@ def tally(seen: dict[str, float], rep: Any) -> None:
         seen[k] += rep.extra.get(k, 0.0)
 
 
+def add_bytes(reported: dict[str, float], rep: Any) -> None:
+    """Add one report's bytes: ``bytes_sent``, and ``bytes_dense`` (a dense call's
+    own bytes where it has none)."""
+    sent = rep.extra.get("bytes_sent", 0.0)
+    reported["sent"] += sent
+    reported["dense"] += rep.extra.get("bytes_dense", sent)
+
+
 def run_setting(s: Setting) -> Result:
     """Train ``s`` on 4 in-process peers; quality is the mean over peers at the end."""
     make = TASKS[s.task](s.seed, s.steps)
@@ -267,8 +282,9 @@ def run_setting(s: Setting) -> Result:
         model, batch_loss, quality = make(rank, s.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         params = [p for p in model.parameters() if p.requires_grad]
-        sent0 = net.stats()["transport"]["sent_bytes"]
+        wire0 = net.stats()["wire"]
         ratios: list[float] = []
+        reported = {"sent": 0.0, "dense": 0.0}  # the reports' bytes, summed
         critical: list[float] = []
         seen: dict[str, float] = dict.fromkeys(LOSS_KEYS, 0.0)
         for step in range(s.steps):
@@ -279,15 +295,20 @@ def run_setting(s: Setting) -> Result:
             # step=opt: Adam's catch-up step on the sparse sums (README, compression)
             rep = net.all_reduce([p.grad for p in params], compress=spec, step=opt)  # type: ignore[misc]
             ratios.append(rep.extra.get("compression_ratio", 1.0))
+            add_bytes(reported, rep)
             tally(seen, rep)
             if "accordion_critical" in rep.extra:
                 critical.append(rep.extra["accordion_critical"])
         # the end of training: one model for every peer (README, all_reduce), as the
         # demo evaluates; its dense round's bytes count in the bytes per step
         drifted = torch.cat([p.detach().reshape(-1) for p in params])
-        net.resync(opt)
-        sent = net.stats()["transport"]["sent_bytes"] - sent0
+        add_bytes(reported, net.resync(opt))
+        wire = net.stats()["wire"]
+        sent = wire["sent_bytes"] - wire0["sent_bytes"]
+        ours = sum(wire["collective_bytes"].values()) - sum(wire0["collective_bytes"].values())
         extra = {"compression_ratio": statistics.median(ratios), **seen}
+        extra.update(report_sent=reported["sent"], report_dense=reported["dense"])
+        extra["collective_share"] = ours / max(1, sent)
         if critical:  # Accordion: the share of the model in critical layers, mean over rounds
             extra["critical"] = statistics.fmean(critical)
         flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -308,6 +329,10 @@ def run_setting(s: Setting) -> Result:
     quality = statistics.fmean(o[0] for o in out)
     per_step = sum(o[1] for o in out) / s.steps
     extra = {"compression_ratio": statistics.median(o[2]["compression_ratio"] for o in out)}
+    extra["report_ratio"] = sum(o[2]["report_dense"] for o in out) / max(
+        1.0, sum(o[2]["report_sent"] for o in out)
+    )
+    extra["collective_share"] = statistics.fmean(o[2]["collective_share"] for o in out)
     for k in LOSS_KEYS:  # summed over peers
         extra[k] = sum(o[2][k] for o in out)
     if all("critical" in o[2] for o in out):
@@ -343,6 +368,10 @@ def summarise(results: list[Result], density: float, values: str = "fp32") -> di
             "seeds": len(rs),
             "bytes_per_step": statistics.median(r.bytes_per_step for r in rs),
             "compression_ratio": statistics.median(r.extra["compression_ratio"] for r in rs),
+            "report_ratio": statistics.median(r.extra["report_ratio"] for r in rs),
+            "report_ratio_min": min(r.extra["report_ratio"] for r in rs),
+            "report_ratio_max": max(r.extra["report_ratio"] for r in rs),
+            "collective_share": statistics.median(r.extra["collective_share"] for r in rs),
             "wall_s": statistics.median(r.wall_s for r in rs),
             "cpu_s": statistics.median(r.cpu_s for r in rs),
             "replica_spread_max": max(r.extra["replica_spread"] for r in rs),
@@ -358,6 +387,19 @@ def summarise(results: list[Result], density: float, values: str = "fp32") -> di
             rows[f"{task}/{row}/{loss:g}"]["critical_share"] = statistics.median(
                 r.extra["critical"] for r in rs
             )
+
+    # the whole run's bytes against the dense row's of the same task and loss, per seed
+    # pair where both ran it (else medians), control traffic included on both sides
+    for (task, row, loss), rs in groups.items():
+        dense = {r.setting.seed: r.bytes_per_step for r in groups.get((task, "dense", loss), [])}
+        if not dense:
+            continue
+        pairs = [dense[r.setting.seed] / r.bytes_per_step for r in rs if r.setting.seed in dense]
+        if not pairs:
+            pairs = [statistics.median(dense.values()) / r.bytes_per_step for r in rs]
+        hit = rows[f"{task}/{row}/{loss:g}"]
+        hit["wire_ratio"] = statistics.median(pairs)
+        hit["wire_ratio_min"], hit["wire_ratio_max"] = min(pairs), max(pairs)
 
     def get(task: str, row: str, loss: float, key: str) -> float | None:
         hit = rows.get(f"{task}/{row}/{loss:g}")
@@ -460,6 +502,11 @@ def main() -> None:
         help="Config.resync_every_steps for every row (default: 100 lossy, 0 lossless)",
     )
     parser.add_argument(
+        "--every-row",
+        action="store_true",
+        help="every row at every loss with --seeds seeds (default: the rules above)",
+    )
+    parser.add_argument(
         "--testbed",
         action="store_true",
         help="time to target on the namespace testbed (root; bench/_compression_testbed.py)",
@@ -480,10 +527,11 @@ def main() -> None:
     for task in tasks:
         for row in rows:
             for loss in args.losses:
-                if row.startswith(("arctopk@", "accordion")) and loss:
+                if row.startswith(("arctopk@", "accordion")) and loss and not args.every_row:
                     continue  # Accordion is compared at 0% loss
                 # every row that decides a target: --seeds (Accordion and its static peers too)
                 decides = row in ("dense", "arctopk") or row.startswith(("arctopk@", "accordion"))
+                decides = decides or args.every_row
                 seeds = args.seeds if decides else 1
                 for seed in range(args.seed_from, args.seed_from + seeds):
                     settings.append(
@@ -508,6 +556,8 @@ def main() -> None:
         results.append(r)
         print(f"{s.task:8s} {s.row:14s} loss={s.loss:<4g} seed={s.seed} quality={r.quality:.4f}"
               f" bytes/step={r.bytes_per_step:,.0f} ratio={r.extra['compression_ratio']:.1f}"
+              f" report_ratio={r.extra['report_ratio']:.2f}"
+              f" collective_share={r.extra['collective_share']:.3f}"
               f" wall={r.wall_s:.1f}s cpu={r.cpu_s:.1f}s"
               + f" spread={r.extra['replica_spread']:.2g}"
               + f" after_resync={r.extra['replica_spread_after']:.2g}"

@@ -34,6 +34,7 @@ from gossipnet.collectives.compress import Compression, CompressSession
 from gossipnet.collectives.compress import resolve as resolve_compress
 from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.collectives.lossy.robust import CenteredClip
+from gossipnet.collectives.lossy.wirebytes import add_resync_bytes
 from gossipnet.collectives.route.averager import RouteTime
 from gossipnet.config import Config
 from gossipnet.errors import ConfigError
@@ -143,7 +144,10 @@ class Peer:
         reason), ``engine_drops`` (per collective engine, e.g. ``"lossy:ar"``: data
         refused as late, duplicate, for another layout, ...), ``heartbeat_errors``,
         ``loop_stalls`` (times our event loop did not run long enough to make a live peer
-        look dead, and their seconds: the other peers are not declared dead for those)."""
+        look dead, and their seconds: the other peers are not declared dead for those),
+        ``wire`` (every byte this peer sent since it joined: ``sent_bytes``, of which
+        ``control_bytes`` (introductions, heartbeats, views, acks), ``collective_bytes``
+        per engine (what the reports' ``bytes_sent`` add up to) and ``other_bytes``)."""
         return self._runtime.stats()
 
     def wait_for_peers(self, count: int, timeout_s: float | None = None) -> bool:
@@ -206,7 +210,8 @@ class Peer:
                 then the average of the compressed contributions, and the error
                 feedback (per compressor and layout, kept by this peer) carries
                 what was not sent into later calls.  The report's ``extra`` has
-                ``bytes_sent``, ``bytes_dense``, ``compression_ratio``.
+                ``bytes_dense`` (what a dense call of the same settings sends) and
+                ``compression_ratio`` (``bytes_dense / bytes_sent``).
             step: the optimizer whose gradients ``tensors`` are, stepped here after
                 the round.  With :class:`gossipnet.ArcTopK` or :class:`gossipnet.DCT`
                 and Adam or AdamW it takes the catch-up step (each value as the
@@ -224,6 +229,9 @@ class Peer:
 
         Returns:
             The round's :class:`CollectiveReport`; packet loss never raises.
+            ``extra["bytes_sent"]``: the frame bytes of every packet of the call this
+            peer put on the wire (copies, parity, ENDs and a ``step=`` resync included,
+            its share in ``resync_bytes``); ``net.stats()["wire"]`` has the whole run's.
 
         Raises:
             ConfigError: ``compress`` is not one of the above.
@@ -264,6 +272,7 @@ class Peer:
             report.extra["resync"] = 1.0
             report.extra["resync_moved"] = resync.extra["resync_moved"]
             report.extra["resync_chunks_stale"] = float(resync.chunks_stale)
+            add_resync_bytes(report, resync)
         # the resync's loop CPU counts too (its caller share is in this thread's time)
         resync_s = resync.extra.get(CPU_LOOP_KEY, 0.0) if resync is not None else 0.0
         stamp_cpu(report, loop_s + resync_s, time.thread_time() - cpu0)

@@ -35,8 +35,10 @@ class CollectiveReport:
         delivered_fraction: received / expected data packets, in [0, 1].
         elapsed_s: wall time of the call on this peer's clock.
         timed_out: a phase ended at its deadline instead of on completion.
-        extra: method-specific figures; the all-reduce's: ``late`` (packets that
-            came after their phase), ``copies_sent`` (``redundancy``,
+        extra: method-specific figures; the all-reduce's: ``bytes_sent`` (frame
+            bytes of every packet of the round this peer put on the wire: data,
+            copies, parity, ENDs, repairs), ``late`` (packets that came after
+            their phase), ``copies_sent`` (``redundancy``,
             ``compressed_copies``), ``arrived_behind`` (compressed packets that came
             behind a later one of their sender: copies standing in for lost
             originals, counted as loss so the copies do not switch themselves off),

@@ -78,6 +78,10 @@ class PacketIO:
         self.unhandled: collections.Counter[int] = collections.Counter()
         #: the reliable part's receive side (see :mod:`gossipnet.runtime.reliable`)
         self.accept_request: RequestFilter = _accept_all
+        #: frame bytes and packets of node-control kinds (hello, heartbeats, views,
+        #: acks, leave) the transport accepted: their share of ``Node.stats()["wire"]``
+        self.control_bytes = 0
+        self.control_packets = 0
 
     # ------------------------------------------------------------------ subscribing
     def subscribe(self, kind: int, handler: PacketCallback) -> None:
@@ -124,10 +128,20 @@ class PacketIO:
             return False
         local = self.transport.is_local(address)
         frames = self.codec.encode(kind, fields, payload, local=local, dst=peer_id)
-        urgent = kind < _FIRST_DATA_KIND
+        if kind < _FIRST_DATA_KIND:
+            return self._send_control(address, frames)
         if group_bytes:
-            return self.transport.send(address, frames, urgent=urgent, group_bytes=group_bytes)
-        return self.transport.send(address, frames, urgent=urgent)
+            return self.transport.send(address, frames, group_bytes=group_bytes)
+        return self.transport.send(address, frames)
+
+    def _send_control(self, address: str, frames: list[Buffer]) -> bool:
+        """A node-control packet, ``urgent`` (ahead of queued data), counted if accepted."""
+        assert self.transport is not None
+        if not self.transport.send(address, frames, urgent=True):
+            return False
+        self.control_packets += 1
+        self.control_bytes += sum(len(f) for f in frames)  # the codec's frames: bytes
+        return True
 
     def encode_for(
         self,
@@ -256,7 +270,9 @@ class PacketIO:
             self.codec.unkeyed += 1
             return False
         frames = self.codec.encode(kind, fields, payload, dst=dst, intro=intro)
-        return self.transport.send(address, frames, urgent=kind < _FIRST_DATA_KIND)
+        if kind < _FIRST_DATA_KIND:
+            return self._send_control(address, frames)
+        return self.transport.send(address, frames)
 
     # ------------------------------------------------------------------ receiving
     def on_frames(self, frames: list[memoryview]) -> None:

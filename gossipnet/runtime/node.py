@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from gossipnet.clock import Clock, MonotonicClock
@@ -98,6 +98,9 @@ class Node:
         #: reason: a counter it keeps and registers here, so ``stats()`` shows every
         #: drop without this layer knowing the engines
         self.drop_counters: dict[str, Mapping[str, int]] = {}
+        #: per protocol engine above, the bytes its packets put on the wire so far (a
+        #: reader of its own counter), for ``stats()["wire"]``
+        self.sent_counters: dict[str, Callable[[], int]] = {}
         # the parts' methods, bound once: no forwarding call on the per-packet path
         self.send = io.send
         self.send_many = io.send_many
@@ -205,13 +208,25 @@ class Node:
         return self.io.closed
 
     def stats(self) -> dict[str, Any]:
-        """Transport, fault, wire, heartbeat and engine-drop counters (a snapshot)."""
+        """Transport, fault, wire, heartbeat and engine-drop counters (a snapshot).
+
+        ``wire``: what this peer put on the wire since it started, every kind of
+        packet: ``sent_bytes`` / ``sent_packets`` (frame bytes, as the transport's
+        ``sent_bytes`` counts them; under a fault plan also the packets its network
+        lost, less the copies its network duplicated: what this peer sent),
+        ``control_bytes`` (node control: introductions, heartbeats, views, acks,
+        leave), ``collective_bytes`` (per engine, e.g. ``lossy:ar``: the bytes its
+        rounds' reports count, and repair answers served after a round) and
+        ``other_bytes`` (the rest: state transfer, replica digests, protocols that
+        do not count their own bytes).
+        """
         out: dict[str, Any] = {"peer_id": self.peer_id, "address": self.address, "pid": os.getpid()}
         if self.transport is not None:
             out["transport"] = self.transport.stats.as_dict()
             fault_stats = getattr(self.transport, "fault_stats", None)
             if fault_stats is not None:
                 out["faults"] = fault_stats.as_dict()
+            out["wire"] = self._wire(self.transport)
         out["wire_rejects"] = dict(self.codec.rejects)
         out["wire_accepted"] = self.codec.accepted
         out["wire_unkeyed"] = self.codec.unkeyed
@@ -224,3 +239,21 @@ class Node:
         out["loop_stalls"] = {"count": self.members.stalls, "seconds": self.members.stalled_s}
         out["engine_drops"] = {name: dict(c) for name, c in self.drop_counters.items()}
         return out
+
+    def _wire(self, transport: Transport) -> dict[str, Any]:
+        """``stats()["wire"]`` (see :meth:`stats`)."""
+        t = transport.stats
+        # a fault plan's network: the packets it lost were sent; its duplicates were not
+        lost = getattr(transport, "net_lost", (0, 0))
+        dup = getattr(transport, "net_duplicated", (0, 0))
+        sent = t.sent_bytes + lost[1] - dup[1]
+        collective = {name: read() for name, read in self.sent_counters.items()}
+        control = self.io.control_bytes
+        return {
+            "sent_bytes": sent,
+            "sent_packets": t.sent_packets + lost[0] - dup[0],
+            "control_bytes": control,
+            "control_packets": self.io.control_packets,
+            "collective_bytes": collective,
+            "other_bytes": max(0, sent - control - sum(collective.values())),
+        }

@@ -84,6 +84,11 @@ class _LinkState:
         return wait
 
 
+def _nbytes(frames: Sequence[Buffer]) -> int:
+    """A packet's frame bytes, as the backends count them (``sent_bytes``)."""
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
+
+
 def _frozen(frames: Sequence[Buffer]) -> list[Buffer]:
     # A delayed packet outlives send(): keep what was sent, as a network would, even of
     # frames the sender promised not to change (is_frozen) while a real queue holds them.
@@ -120,6 +125,10 @@ class FaultyTransport(Transport):
         self._timer_ids = itertools.count()
         self._t0 = 0.0
         self._closed = False
+        # packets (and their frame bytes) this endpoint sent that the plan's network
+        # then lost, and the extra copies it duplicated into the inner transport
+        self._lost = [0, 0]
+        self._duplicated = [0, 0]
         self._crashes: dict[str, tuple[Crash, ...]] = {}
         for c in plan.crash:
             self._crashes[c.peer] = (*self._crashes.get(c.peer, ()), c)
@@ -180,6 +189,19 @@ class FaultyTransport(Transport):
                 handle.cancel()
             self._timers.clear()
         await self.inner.close()
+
+    @property
+    def net_lost(self) -> tuple[int, int]:
+        """``(packets, frame bytes)`` sent here that the plan's network lost: sent by
+        this endpoint (``send`` returned True) but never in the inner transport's
+        ``sent_bytes``.  A crashed sender's packets never left it: not counted."""
+        return self._lost[0], self._lost[1]
+
+    @property
+    def net_duplicated(self) -> tuple[int, int]:
+        """``(packets, frame bytes)`` of the copies the plan's network duplicated that
+        the inner transport took: in its ``sent_bytes``, not sent by this endpoint."""
+        return self._duplicated[0], self._duplicated[1]
 
     @property
     def plan_time_s(self) -> float:
@@ -243,8 +265,13 @@ class FaultyTransport(Transport):
         setattr(link.stats, counter, getattr(link.stats, counter) + 1)
         setattr(self.fault_stats, counter, getattr(self.fault_stats, counter) + 1)
 
-    def _drop(self, link: _LinkState, counter: str) -> bool:
+    def _drop(self, link: _LinkState, counter: str, frames: Sequence[Buffer] | None) -> bool:
+        """Count a packet the network loses (``frames``: its bytes left this endpoint;
+        None: they never did, its sender is crashed)."""
         self._count(link, counter)
+        if frames is not None:
+            self._lost[0] += 1
+            self._lost[1] += _nbytes(frames)
         return True  # lost in the network: the sender cannot tell
 
     def send(
@@ -273,21 +300,22 @@ class FaultyTransport(Transport):
         if burst is not None:  # step the chain on every packet, dropped or not
             link.bad = u_state >= burst.p_bad_to_good if link.bad else u_state < burst.p_good_to_bad
         src = self.name or self.inner.address
-        if self._crashes and (self.is_crashed(src, t) or self.is_crashed(dst, t)):
-            return self._drop(link, "dropped_crash")
+        if self._crashes and self.is_crashed(src, t):
+            return self._drop(link, "dropped_crash", None)
+        if self._crashes and self.is_crashed(dst, t):
+            return self._drop(link, "dropped_crash", frames)
         if self.plan.partitions and any(p.cuts(src, dst, t) for p in self.plan.partitions):
-            return self._drop(link, "dropped_partition")
+            return self._drop(link, "dropped_partition", frames)
         loss = plan.loss if self.plan.link_loss is None else self.plan.link_loss(src, dst, t)
         if u_loss < loss:
-            return self._drop(link, "dropped_loss")
+            return self._drop(link, "dropped_loss", frames)
         if burst is not None and u_burst < (burst.loss_bad if link.bad else burst.loss_good):
-            return self._drop(link, "dropped_burst")
+            return self._drop(link, "dropped_burst", frames)
         base = plan.delay_s
         if plan.bandwidth_bytes_per_s is not None:
-            nbytes = sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
-            wait = link.shape(nbytes, t)
+            wait = link.shape(_nbytes(frames), t)
             if wait is None:
-                return self._drop(link, "dropped_bandwidth")
+                return self._drop(link, "dropped_bandwidth", frames)
             base += wait
         link.stats.passed += 1
         self.fault_stats.passed += 1
@@ -344,15 +372,29 @@ class FaultyTransport(Transport):
         self._count(link, "duplicated")
         if delay_s > 0.0:
             copy = frozen if frozen is not None else _frozen(frames)
-            self._later(delay_s, dst, copy, group_bytes)
-        else:
-            self._forward(dst, frames, group_bytes)
+            self._later(delay_s, dst, copy, group_bytes, duplicate=True)
+        elif self._forward(dst, frames, group_bytes):
+            self._duplicated[0] += 1
+            self._duplicated[1] += _nbytes(frames)
 
-    def _later(self, delay_s: float, dst: str, frames: list[Buffer], group_bytes: int) -> None:
+    def _later(
+        self,
+        delay_s: float,
+        dst: str,
+        frames: list[Buffer],
+        group_bytes: int,
+        *,
+        duplicate: bool = False,
+    ) -> None:
         token = next(self._timer_ids)
-        callback = functools.partial(self._fire, token, dst, frames, group_bytes)
+        callback = functools.partial(self._fire, token, dst, frames, group_bytes, duplicate)
         self._timers[token] = self.clock.call_later(delay_s, callback)
 
-    def _fire(self, token: int, dst: str, frames: list[Buffer], group_bytes: int) -> None:
-        if self._timers.pop(token, None) is not None and not self._closed:
-            self._forward(dst, frames, group_bytes)
+    def _fire(
+        self, token: int, dst: str, frames: list[Buffer], group_bytes: int, duplicate: bool
+    ) -> None:
+        if self._timers.pop(token, None) is None or self._closed:
+            return
+        if self._forward(dst, frames, group_bytes) and duplicate:
+            self._duplicated[0] += 1
+            self._duplicated[1] += _nbytes(frames)

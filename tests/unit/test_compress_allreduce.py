@@ -298,7 +298,8 @@ def test_value_codecs_cut_bytes_and_stay_close_to_the_mean(
 
     for values in ("fp32", "bf16", "int8"):
         run_async(one(values))
-    assert sent["int8"] < 0.75 * sent["bf16"] < 0.75 * 0.85 * sent["fp32"], sent
+    # the rounds' END markers (the same in every row) are in bytes_sent too
+    assert sent["int8"] < 0.9 * sent["bf16"] < 0.9 * 0.8 * sent["fp32"], sent
     assert ratio["int8"] > ratio["bf16"] > ratio["fp32"], ratio
 
 

@@ -33,10 +33,11 @@ The rules under loss (each tested in ``tests/unit/test_compress_*``):
 - Quantisers (bf16, fp16, int8) have no error feedback; in the optimizer the
   parameter broadcast stays float32 for them (a rounded parameter stays rounded).
 
-Report keys (``report.extra``): ``bytes_sent`` (frames of the round's data
-packets), ``bytes_dense`` (what float32 would have sent: the payload in chunks of
-the dense size, each with the same header and MAC bytes), ``compression_ratio``,
-``index_mismatch``, ``missed_announcement``, ``sketch_only``, ``ef_restored``,
+Report keys (``report.extra``): ``bytes_sent`` (every packet of the round this peer
+put on the wire: data, copies, ENDs, repairs; :mod:`gossipnet.collectives.lossy.wirebytes`),
+``bytes_dense`` (what a dense round of the same settings sends: dense chunks, the
+dense round's redundancy and parity, no ``compressed_copies``), ``compression_ratio``
+(their ratio), ``index_mismatch``, ``missed_announcement``, ``sketch_only``, ``ef_restored``,
 ``ef_unresolved`` (this round) and ``ef_unresolved_total``, ``accordion_critical``
 (share of the elements in critical layers, the light setting), ``catch_up`` (the
 optimizer took Adam's catch-up step), ``dropped_<reason>`` (malformed compressed

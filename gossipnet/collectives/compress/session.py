@@ -157,18 +157,14 @@ class CompressSession(SessionState):
     def finish(self, rnd: Any) -> dict[str, float]:
         """The round's extras; the session moves to the next round."""
         self.last_round = rnd.r
-        sent, dense = self.counters["bytes_sent"], self.counters["bytes_dense"]
         extra = {k: float(v) for k, v in self.counters.items()}
-        extra["bytes_sent"] = float(sent)
-        extra["bytes_dense"] = float(dense)
-        extra["compression_ratio"] = dense / sent if sent else 1.0
         for k in ("index_mismatch", "missed_announcement", "sketch_only", "ef_unresolved"):
             extra.setdefault(k, 0.0)
         extra["ef_unresolved_total"] = float(self.totals["ef_unresolved"])
         if self.accordion is not None:
             crit = [self.accordion.critical_share(b, p.numel) for b, p in enumerate(rnd.plans)]
             extra["accordion_critical"] = sum(crit) / max(1, len(crit))
-        self.totals.update({k: v for k, v in self.counters.items() if not k.startswith("bytes")})
+        self.totals.update(self.counters)
         self.src = []
         return extra
 
@@ -201,16 +197,6 @@ class CompressSession(SessionState):
         Ignored when not tracked."""
         if self.stale is not None:
             self.stale.set_weights(b, start, weights, everywhere)
-
-    def sent(self, frames: list[Any], copies: int, dense_payload: int) -> None:
-        """Count a data packet's bytes, and what float32 would have sent instead:
-        its payload in packets of the dense chunk size, each with this packet's
-        header and MAC bytes (the same fixed header format)."""
-        size = sum(len(f) for f in frames)
-        overhead = size - len(frames[1])
-        packets = max(1, -(-dense_payload // max(1, self.base_chunk)))
-        self.counters["bytes_sent"] += size * copies
-        self.counters["bytes_dense"] += (dense_payload + packets * overhead) * copies
 
     # ------------------------------------------------------------------ chunks
     def encode_rs(self, rnd: Any, owner: str, b: int, c: int) -> tuple[int, bytes]:

@@ -39,11 +39,6 @@ class ChunkCodec(Protocol):
         (``param_mode``: the broadcast is dense parameters, so chunks stay ``base``)."""
         ...
 
-    def sent(self, frames: list[Any], copies: int, dense_payload: int) -> None:
-        """A data packet went out ``copies`` times (its frames as encoded);
-        ``dense_payload``: the bytes dense float32 would have carried instead."""
-        ...
-
     def begin(self, rnd: Any, param_mode: bool) -> None:
         """Before the round's sends: compress our own contribution to our shard
         (into the reducers' accumulators); ``param_mode``: the broadcast carries
@@ -74,5 +69,6 @@ class ChunkCodec(Protocol):
         ...
 
     def finish(self, rnd: Any) -> dict[str, float]:
-        """The round's report extras (bytes, ratio, counters)."""
+        """The round's report extras (the compressor's counters; the engine adds the
+        bytes, :mod:`.wirebytes`)."""
         ...

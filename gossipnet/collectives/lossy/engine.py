@@ -43,6 +43,7 @@ from gossipnet.collectives.lossy.scatter import (
     send_rs,
 )
 from gossipnet.collectives.lossy.stale_step import StaleStep
+from gossipnet.collectives.lossy.wirebytes import ByteMeter, dense_bytes
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.node import Node
 from gossipnet.transport.wire import DTYPE_CODES, Packet
@@ -94,6 +95,9 @@ class LossyAllReduce(Intake):
         self.loss = LossWatch()  # recent loss, ours and our peers': END copies, parity
         self.dropped: collections.Counter[str] = collections.Counter()
         node.drop_counters[f"lossy:{tag}"] = self.dropped  # in node.stats()
+        # every round's bytes (.wirebytes), late repair answers included: node.stats()
+        self.wire = ByteMeter()
+        node.sent_counters[f"lossy:{tag}"] = lambda: self.wire.total
         # each peer's latest layout (fingerprint, description) from its heartbeats, to
         # name both layouts when a round hears another one
         self.peer_layouts: dict[str, tuple[int, str]] = {}
@@ -169,6 +173,7 @@ class LossyAllReduce(Intake):
         rnd.fec_k = self.loss.parity_group(
             self._others(rnd), parity_group, node.config.parity_always
         )
+        dense_settings = (rnd.redundancy, rnd.fec_k)  # what a dense round would send
         if opts.compress is not None:
             rnd.fec_k = 0  # parity XORs payloads of one length
             copies = node.config.compressed_copies
@@ -198,6 +203,7 @@ class LossyAllReduce(Intake):
             self.claims.took_part(p for p in report.contributors if p != rnd.me)
             if rnd.codec is not None:
                 report.extra.update(rnd.codec.finish(rnd))
+                self._compare_dense(rnd, report, *dense_settings)
             if opts.stale_step is not None:  # chunks_stale still counts them: not delivered
                 report.extra["estimated"] = float(opts.stale_step.apply(rnd))
             self._note_loss(report)
@@ -244,6 +250,7 @@ class LossyAllReduce(Intake):
             rnd.layout, rnd.layout_desc = layout_of(rnd.plans, opts.compress.setting())
             rnd.ident["L"] = rnd.layout
             opts.compress.begin(rnd, opts.on_reduced is not None)
+        rnd.wire_total = self.wire
         self._round = rnd
         self.next_round = r + 1
         node.beacon[self.tag] = r  # "I am in round r": others catch up to r, not past it
@@ -276,6 +283,16 @@ class LossyAllReduce(Intake):
             lambda: announce_rs_end(self, rnd),
             lambda: self.quiet_wait(rnd),
         )
+
+    def _compare_dense(
+        self, rnd: Round, report: CollectiveReport, redundancy: int, fec_k: int
+    ) -> None:
+        """``bytes_dense`` and ``compression_ratio`` of a compressed round (.wirebytes)."""
+        sizes = chunk_sizes(self.node, rnd.src, len(rnd.participants))
+        dense = dense_bytes(rnd, sizes, redundancy, fec_k)
+        sent = rnd.wire.total
+        report.extra["bytes_dense"] = float(dense)
+        report.extra["compression_ratio"] = dense / sent if sent else 1.0
 
     def _note_loss(self, report: CollectiveReport) -> None:
         """Remember whether this round saw loss; tell the peers through our heartbeat."""

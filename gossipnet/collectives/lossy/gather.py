@@ -47,6 +47,7 @@ from gossipnet.collectives.lossy.reducer import OwnedShard, ShardReducer
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.rows import ChunkRows, write_rows
 from gossipnet.collectives.lossy.stale_step import StaleStep
+from gossipnet.collectives.lossy.wirebytes import count_sent
 from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
@@ -159,7 +160,9 @@ async def send_ag(
         raw = _broadcast_bytes(rnd, shard, value)
         packets = _compressed_ag(ctx, rnd, shard, encoded, others) if encoded else []
         for frames in itertools.chain(packets, _dense_ag(ctx, rnd, shard, raw, encoded, others)):
-            rnd.sent += node.send_frames(others, frames, group_bytes=rnd.group_bytes)
+            n = node.send_frames(others, frames, group_bytes=rnd.group_bytes)
+            rnd.sent += n
+            count_sent(rnd, frames, n, phase="ag")
             if copies is not None:
                 copies.append((others, frames))
                 if len(copies) > COPY_LAG:
@@ -204,8 +207,6 @@ def _dense_ag(
         frames = ctx.node.encode_for(
             others, ctx.k.ag_data, fields, raw[span.start - base : span.stop - base]
         )
-        if rnd.codec is not None:  # a compressed round's dense chunk (parameters)
-            rnd.codec.sent(frames, len(others) * rnd.ag_redundancy, count * 4)
         yield frames
 
 
@@ -220,15 +221,11 @@ def _compressed_ag(
     with an average, in chunk order, :func:`_encode_shard`), consecutive ones sharing
     a packet while they fit (:mod:`.bundle`); one encoding (one MAC) for every
     destination."""
-    codec = rnd.codec
-    assert codec is not None
     b = shard.bucket
     records = [(c, z, payload) for c, (z, payload) in encoded.items()]
     rnd.ag_chunks_sent += len(records)
-    plan = rnd.plans[b]
     fields: dict[str, object] = {**rnd.ident, "b": b, "dt": "u8"}
-    copies = len(others) * rnd.ag_redundancy
-    return bundled(ctx.node, codec, ctx.k.ag_data, others, fields, records, plan, copies)
+    return bundled(ctx.node, ctx.k.ag_data, others, fields, records)
 
 
 def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
@@ -246,7 +243,8 @@ def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
     }
     frames = node.encode_for(others, ctx.k.ag_end, end)
     for _ in range(copies):
-        node.send_frames(others, frames, group_bytes=rnd.group_bytes)
+        n = node.send_frames(others, frames, group_bytes=rnd.group_bytes)
+        count_sent(rnd, frames, n, control=True)
 
 
 def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gossipnet.collectives.chunks import ChunkPlan, all_finite, auto_chunk_bytes, from_bytes
+from gossipnet.collectives.chunks import all_finite, auto_chunk_bytes, from_bytes
 from gossipnet.collectives.lossy import bundle
 from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.kinds import LossyKind
 from gossipnet.collectives.lossy.round import Round
+from gossipnet.collectives.lossy.wirebytes import count_sent
 from gossipnet.runtime.node import Node
 from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import DTYPES, Packet
@@ -98,6 +99,7 @@ def send_copy(node: Node, rnd: Round, send: Send) -> None:
         n = node.send_frames(peers, frames, group_bytes=rnd.group_bytes)
         rnd.sent += n
         rnd.copies_sent += n
+        count_sent(rnd, frames, n)
 
 
 async def send_copies(node: Node, rnd: Round, sends: collections.deque[Send] | None) -> None:
@@ -199,24 +201,19 @@ def chunk_sizes(
 
 def bundled(
     node: Node,
-    codec: ChunkCodec,
     kind: int,
     dsts: Sequence[str],
     fields: dict[str, object],
     records: list[bundle.Record],
-    plan: ChunkPlan,
-    copies: int,
 ) -> list[list[Buffer]]:
-    """The encoded packets of ``records`` (compressed chunks of ``plan``'s bucket) for
+    """The encoded packets of ``records`` (compressed chunks of one bucket) for
     ``dsts``: consecutive ones share a packet while they fit (:mod:`.bundle`), a lone
-    one goes plain; each packet counted with the codec (``copies`` times)."""
+    one goes plain."""
     out = []
     for run in bundle.group(records, packet_room(node)):
         c, z, payload = run[0] if len(run) == 1 else (run[0][0], bundle.BUNDLE, bundle.pack(run))
         fields.update(c=c, n=len(payload), z=int(z))
-        frames = node.encode_for(dsts, kind, fields, payload)
-        codec.sent(frames, copies, sum(plan.chunk(r[0])[1] for r in run) * 4)
-        out.append(frames)
+        out.append(node.encode_for(dsts, kind, fields, payload))
     return out
 
 

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
     from gossipnet.collectives.lossy.context import PhaseContext
     from gossipnet.collectives.lossy.round import Round
 
+from gossipnet.collectives.lossy.wirebytes import count_sent, count_sent_run
+
 __all__ = (
     "MAX_GROUP",
     "group_count",
@@ -179,8 +181,13 @@ def send_parity(
     )  # fmt: skip
     if len(dests) == 1:
         sent = node.send_batch(dests, packets, group_bytes=rnd.group_bytes)
+        count_sent_run(rnd, packets, sent, 1)
     else:  # a broadcast (all-gather): each packet to every destination, framed once
-        sent = sum(node.send_frames(dests, p, group_bytes=rnd.group_bytes) for p in packets)
+        sent = 0
+        for p in packets:
+            n = node.send_frames(dests, p, group_bytes=rnd.group_bytes)
+            count_sent(rnd, p, n)
+            sent += n
     rnd.parity_sent += sent
     return sent
 

@@ -16,6 +16,7 @@ import torch
 from gossipnet.collectives.chunks import as_bytes, from_bytes
 from gossipnet.collectives.lossy.context import PhaseContext
 from gossipnet.collectives.lossy.round import Round
+from gossipnet.collectives.lossy.wirebytes import count_sent
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
 __all__ = ("missing_chunks", "repair", "serve_repair")
@@ -44,16 +45,14 @@ async def repair(ctx: PhaseContext, rnd: Round, deadline: float) -> bool:
             )
         if clock.now() >= deadline:
             return False
+        node = ctx.node
         for (owner, b), chunks in missing.items():
             for i in range(0, len(chunks), REPAIR_BATCH):
                 part = torch.tensor(chunks[i : i + REPAIR_BATCH], dtype=torch.int32)
-                ctx.node.send(
-                    owner,
-                    ctx.k.repair,
-                    {"r": rnd.r, "b": b, "dt": "i32", "n": part.numel()},
-                    as_bytes(part),
-                    group_bytes=rnd.group_bytes,
-                )
+                fields = {"r": rnd.r, "b": b, "dt": "i32", "n": part.numel()}
+                frames = node.encode_for((owner,), ctx.k.repair, fields, as_bytes(part))
+                n = node.send_frames((owner,), frames, group_bytes=rnd.group_bytes)
+                count_sent(rnd, frames, n, control=True)
         await clock.sleep(min(interval, max(0.0, deadline - clock.now())))
 
 
@@ -81,6 +80,7 @@ def serve_repair(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
     raw = memoryview(rnd.broadcast[b])
     base = owned.start * plan.chunk_elems * plan.itemsize
     code = DTYPE_CODES[rnd.dst[b].dtype]
+    node = ctx.node
     for c in chunks[:REPAIR_BATCH]:
         if c not in owned:
             continue
@@ -94,5 +94,7 @@ def serve_repair(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:
             "n": count,
         }
         payload = raw[span.start - base : span.stop - base]
-        if ctx.node.send(pkt.src, ctx.k.ag_data, fields, payload, group_bytes=rnd.group_bytes):
-            rnd.sent += 1
+        frames = node.encode_for((pkt.src,), ctx.k.ag_data, fields, payload)
+        n = node.send_frames((pkt.src,), frames, group_bytes=rnd.group_bytes)
+        rnd.sent += n
+        count_sent(rnd, frames, n)

@@ -21,6 +21,7 @@ from gossipnet.collectives.lossy.compressed import ChunkCodec
 from gossipnet.collectives.lossy.reducer import ShardReducer
 from gossipnet.collectives.lossy.robust import CenteredClip, ClippingReducer
 from gossipnet.collectives.lossy.round_id import layout_of
+from gossipnet.collectives.lossy.wirebytes import ByteMeter
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.waker import Waker
 from gossipnet.transport.wire import Packet
@@ -212,6 +213,12 @@ class Round:
         self.pending_ag: list[Packet] = []
         self.broadcast: list[memoryview] = []  # our averaged shards' bytes, kept for repairs
         self.sent = 0
+        # bytes of the round's packets the transport accepted (.wirebytes), and the
+        # engine's running total they are added to as well (set by the engine)
+        self.wire = ByteMeter()
+        self.wire_total = ByteMeter()
+        # per phase ("rs", "ag"): header and MAC bytes of one of our data packets
+        self.data_overhead: dict[str, int] = {}
         self.late = 0
         self.repaired = False  # NACK repair ran (a resync): late answers teach no reorder
         self.ag_chunks_sent = 0
@@ -326,5 +333,6 @@ class Round:
                 "parity_sent": float(rnd.parity_sent),
                 "recovered": float(rnd.recovered),
                 "arrived_behind": float(rnd.arrived_behind),
+                "bytes_sent": float(rnd.wire.total),
             },
         )

@@ -37,6 +37,7 @@ from gossipnet.collectives.lossy.parity import group_count, on_parity, send_pari
 from gossipnet.collectives.lossy.reducer import OwnedShard, valid_weight
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.collectives.lossy.rows import ChunkRows
+from gossipnet.collectives.lossy.wirebytes import count_sent, count_sent_run
 from gossipnet.transport.base import Buffer
 from gossipnet.transport.wire import DTYPE_CODES, Packet
 
@@ -93,7 +94,9 @@ async def send_rs(ctx: PhaseContext, rnd: Round, weight: float) -> None:
                 rows = [(b, c, plan.chunk(c)[1]) for c in chunks]
                 payloads = [raw[plan.byte_slice(c)] for c in chunks]
                 packets = node.encode_run((owner,), kind, common, rows, payloads)
-            rnd.sent += node.send_batch((owner,), packets, group_bytes=rnd.group_bytes)
+            n = node.send_batch((owner,), packets, group_bytes=rnd.group_bytes)
+            rnd.sent += n
+            count_sent_run(rnd, packets, n, 1, "rs")
             per_dest[owner] += len(chunks)  # ENDs count chunks (a bundle holds several)
             if copies is not None:
                 for frames in packets:
@@ -135,8 +138,7 @@ def compressed_rs(
     assert codec is not None
     records = [(c, *codec.encode_rs(rnd, owner, b, c)) for c in chunks]
     fields: dict[str, object] = {**rnd.ident, "b": b, "w": weight, "dt": "u8"}
-    kind, plan = ctx.k.rs_data, rnd.plans[b]
-    return bundled(ctx.node, codec, kind, (owner,), fields, records, plan, rnd.redundancy)
+    return bundled(ctx.node, ctx.k.rs_data, (owner,), fields, records)
 
 
 def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
@@ -158,7 +160,8 @@ def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
             }
             frames = node.encode_for((peer,), ctx.k.rs_end, end)
             for _ in range(copies):
-                node.send_frames((peer,), frames, group_bytes=rnd.group_bytes)
+                n = node.send_frames((peer,), frames, group_bytes=rnd.group_bytes)
+                count_sent(rnd, frames, n, control=True)
 
 
 def rs_order(rnd: Round) -> list[tuple[str, int, int]]:
