@@ -57,6 +57,7 @@ from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._realign import Realigner
+from gossipnet.training._residual import Residual
 from gossipnet.training._shards import ShardedOptimizer
 from gossipnet.training.host import TrainingHost
 from gossipnet.training.options import AllReduceOptions
@@ -121,6 +122,8 @@ class AllReduceStrategy:
             if flat is not None:
                 bucket_group.extend([g] * len(flat.buckets))
         self.shards = ShardedOptimizer(base, bucket_group)
+        # compressed: each owner's parameter updates not yet in the replicas (._residual)
+        self.residual = Residual() if self.compress is not None else None
         self.step_count = 0
         self.last_report: CollectiveReport | None = None
         self.last_resync: CollectiveReport | None = None
@@ -242,7 +245,12 @@ class AllReduceStrategy:
         return self.host.optimizer_engine
 
     async def _resync(self, params: list[torch.Tensor], round_id: int) -> CollectiveReport:
-        """Average the parameters with repair, then announce their digest."""
+        """Average the parameters with repair, then announce their digest.
+
+        Compressed: the owners' masters stay where their optimizers put them, so
+        what the averaging moved an owned shard by joins its residual (``._residual``).
+        """
+        before = self.residual.snapshot(params) if self.residual is not None else None
         report = await self._engine().run(
             [p.clone() for p in params],
             RoundOptions(
@@ -254,6 +262,8 @@ class AllReduceStrategy:
             ),
         )
         report.method = "resync"
+        if self.residual is not None and before is not None:
+            self.residual.absorb(before, params)
         self.last_resync = report
         value = await asyncio.to_thread(digest, params)  # hashlib releases the GIL
         replicas = self.host.replicas
@@ -284,8 +294,17 @@ class AllReduceStrategy:
                 resync.extra["skipped_gradients"] = 1.0
                 return resync
 
+        residual = self.residual
+
         def on_reduced(shards: list[OwnedShard]) -> list[torch.Tensor]:
-            return self.shards.step(shards, params, self.compress)
+            if residual is None:
+                return self.shards.step(shards, params, self.compress)
+            # compressed: step the masters (replica + residual); broadcast their update
+            keys = [(s.bucket, s.start, s.average.numel()) for s in shards if s.average.numel()]
+            residual.enter(keys, params)
+            self.shards.step(shards, params, self.compress)
+            masters = iter(residual.leave(keys, params))
+            return [next(masters) if s.average.numel() else s.average for s in shards]
 
         report = await engine.run(
             grads,
@@ -295,15 +314,19 @@ class AllReduceStrategy:
                 timeout_s=self.timeout_s,
                 on_reduced=on_reduced,
                 mode=MODE_GRADS,
-                stale_step=self._stale_step,
+                # an update lost stays lost until the resync (no later broadcast
+                # overwrites an estimate): compressed rounds keep the replica's values
+                stale_step=self._stale_step if residual is None else None,
                 parity_group=self.host.config.parity_for(optimizer=True),
                 round_id=self._rid(step, GRADIENTS),
                 compress=self.compress,
             ),
         )
         self._last_align = self.realign.judge(engine.alignment())
-        if self.compress is not None:
+        if residual is not None:
+            residual.settle(params)
             report.extra["catch_up"] = float(self.shards.caught_up)
+            report.extra["residual_norm"] = residual.norm()
         return report
 
     # ------------------------------------------------------------------ state
@@ -328,6 +351,8 @@ class AllReduceStrategy:
         for g, saved in zip(self.base.param_groups, state["param_groups"], strict=True):
             g.update(saved)
         self.shards.load(state["sharded"])
+        if self.residual is not None:  # the parameters are the checkpoint's now
+            self.residual.clear()
         # Round ids already run are never reused: peers that restore the same checkpoint
         # together (same rounds run, so the same next round) move to the same fresh ids;
         # one that restores alone is out of step and realigns (``_realign``).
@@ -351,6 +376,8 @@ class AllReduceStrategy:
         ahead of our engine moves it there, keeping the packets held for it."""
         self._round_base = round_base
         self._based = True
+        if self.residual is not None:  # our replica was replaced: no update of ours applies
+            self.residual.clear()
         first = self._rid(self.step_count, EXPLICIT_RESYNC) if next_round is None else next_round
         engine = self._engine()
         if engine.next_round > first:
