@@ -122,6 +122,7 @@ class AllReduceStrategy:
             if flat is not None:
                 bucket_group.extend([g] * len(flat.buckets))
         self.shards = ShardedOptimizer(base, bucket_group)
+        self._staging: list[torch.Tensor] | None = None  # CPU copies of device buckets
         # compressed: each owner's parameter updates not yet in the replicas (._residual)
         self.residual = Residual() if self.compress is not None else None
         self.step_count = 0
@@ -182,7 +183,7 @@ class AllReduceStrategy:
                 torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
             weight = 0.0
         params = self.param_buckets()
-        staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
+        staged = self._stage(params)
         gstaged = [g.cpu() for g in grads]
         with self.state_lock:
             coro = loop_cpu(
@@ -226,11 +227,28 @@ class AllReduceStrategy:
         with self.state_lock:
             cpu0 = time.thread_time()
             params = self.param_buckets()
-            staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
+            staged = self._stage(params)
             coro = loop_cpu(functools.partial(self._resync, staged, rid))
             report, loop_s = self.host.call(coro, self.timeout_s * 2 + 30)
             _write_back(params, staged)
         return stamp_cpu(report, loop_s, time.thread_time() - cpu0)
+
+    def _stage(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The CPU buckets a round runs on: a CPU bucket itself, a device bucket's
+        copy in a CPU buffer kept across steps (refreshed here).
+
+        Why kept: the shard optimizer steps views of these buffers
+        (``._shards``), built once per shard map; a fresh copy per step would
+        leave it stepping the first step's memory, blind to what a resync, a
+        realignment or (compressed) the residual did to the parameters since.
+        """
+        if self._staging is None or len(self._staging) != len(params):
+            self._staging = [b if b.device.type == "cpu" else b.cpu() for b in params]
+            return self._staging
+        for b, s in zip(params, self._staging, strict=True):
+            if s is not b:
+                s.copy_(b)
+        return self._staging
 
     def param_buckets(self) -> list[torch.Tensor]:
         """The flat parameter buckets, every group's, in order."""
