@@ -22,7 +22,8 @@ included, summed over peers, divided by the steps.
 
 Rows: ``dense`` (``net.optimizer(adam)``), ``opt`` (``net.optimizer(adam,
 compress=C)``), ``ar`` (``net.all_reduce(grads, compress=C, step=adam)``), with
-``C = ArcTopK(density, values)``.  The summary gives per row the median over
+``C = ArcTopK(density, values)`` (``--compress``: DCT, Int8 or bf16).  The summary gives
+per row the median over
 seeds with the range, and ``bytes_ratio`` (dense bytes / the row's) and
 ``acc_delta`` (the row's median accuracy minus dense's, points).
 
@@ -86,8 +87,13 @@ def make_model(seed: int) -> torch.nn.Module:
     return model
 
 
-def compressor(density: float, values: str) -> gossipnet.ArcTopK:
-    return gossipnet.ArcTopK(density=density, values=values)
+def compressor(family: str, density: float, values: str) -> Any:
+    """``--compress``: ArcTopK or DCT at ``density`` with ``values``, or a quantiser."""
+    if family == "arctopk":
+        return gossipnet.ArcTopK(density=density, values=values)
+    if family == "dct":
+        return gossipnet.DCT(density=density, values=values)
+    return gossipnet.Int8() if family == "int8" else family
 
 
 def run(row: str, seed: int, steps: int, loss: float, spec: Any) -> dict[str, Any]:
@@ -168,13 +174,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--loss", type=float, default=0.1)
+    parser.add_argument("--compress", default="arctopk", choices=["arctopk", "dct", "int8", "bf16"])
     parser.add_argument("--density", type=float, default=0.1)
     parser.add_argument("--values", default="int8")
     parser.add_argument("--rows", nargs="+", default=["dense", "opt", "ar"])
     args = parser.parse_args()
     if args.quick:
         args.seeds, args.steps = 1, 150
-    spec = compressor(args.density, args.values)
+    spec = compressor(args.compress, args.density, args.values)
     results = []
     for seed in range(args.seeds):
         for row in args.rows:

@@ -55,8 +55,9 @@ class Residual:
             view.add_(self._parts[key].to(view.dtype))
 
     def leave(self, keys: Sequence[Key], params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """After the step: the new masters of ``keys`` (copies); ``params`` hold the
-        replica values again, from which the broadcast sends the update."""
+        """After the step: the new masters of ``keys``, as copies the caller may
+        change (the broadcast overwrites them with what the receivers decode);
+        ``params`` hold the replica values again, from which the update is sent."""
         out = []
         for key in keys:
             b, start, n = key
@@ -64,7 +65,7 @@ class Residual:
             master = view.detach().clone()
             self._masters[key] = master
             view.copy_(self._replicas[key])
-            out.append(master)
+            out.append(master.clone())
         self._replicas.clear()
         return out
 

@@ -23,7 +23,7 @@ import torch
 from gossipnet import DCT, ArcTopK, Int8
 from gossipnet.clock import FakeClock
 from gossipnet.collectives.compress import CompressSession
-from gossipnet.collectives.lossy import gather
+from gossipnet.collectives.lossy import gather, scatter
 from gossipnet.collectives.lossy.round import Round
 from gossipnet.training._residual import Residual
 from gossipnet.transport.wire import Packet
@@ -59,7 +59,8 @@ def _round(spec: Any, me: str, replica: torch.Tensor, *, param_mode: bool = True
 
 
 def _pkt(src: str, c: int, z: int, payload: bytes) -> Packet:
-    fields = {"r": 5, "m": 0, "L": 0, "b": 0, "c": c, "dt": "u8", "n": len(payload), "z": z}
+    fields = {"r": 5, "m": 0, "L": 0, "b": 0, "c": c, "dt": "u8", "n": len(payload), "z": z,
+              "w": 1.0}  # fmt: skip
     return Packet(src, 1, 1, 16, fields, memoryview(payload))
 
 
@@ -79,6 +80,15 @@ def test_update_is_compressed_and_every_replica_holds_the_owners_bits(spec: Any)
     c = owner.owned[0].start
     n = owner.plans[0].chunk(c)[1]
     off = owner.plans[0].chunk(c)[0]
+    # the gradients still go as contributions (never flagged as updates): the owner
+    # adds the receiver's
+    ctx = _Ctx()
+    rcodec = receiver.codec
+    assert rcodec is not None
+    rz, rpayload = rcodec.encode_rs(receiver, "p0", 0, c)
+    scatter.on_rs(ctx, owner, _pkt("p1", c, rz, rpayload))  # type: ignore[arg-type]
+    assert not ctx.dropped, ctx.dropped
+    assert owner.reducers[0].has("p1", c)
     # the owner's new parameters: a large step on one block, a tiny one elsewhere
     update = 1e-6 * torch.randn(n, generator=torch.Generator().manual_seed(2))
     update[32:48] += 0.01 * torch.arange(1, 17, dtype=torch.float32)
@@ -92,7 +102,6 @@ def test_update_is_compressed_and_every_replica_holds_the_owners_bits(spec: Any)
     # what travels: a tenth of the dense chunk (sparse), a quarter or half (quantisers)
     assert len(payload) < (0.25 if sparse else 0.55) * n * 4, len(payload)
     # the receiver adds the update to its own chunk: the owner's bits exactly
-    ctx = _Ctx()
     gather.on_ag(ctx, receiver, _pkt("p0", c, z, payload))  # type: ignore[arg-type]
     assert not ctx.dropped, ctx.dropped
     assert bool(receiver.got_np[0][c])
@@ -180,6 +189,7 @@ def test_residual_keeps_what_was_not_sent() -> None:
     params[0][2:6] += torch.tensor([1.0, 2.0, 3.0, 4.0])  # the optimizer's step
     (master,) = res.leave(keys, params)
     assert torch.equal(master, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    master.fill_(9.0)  # the caller's copy: the broadcast overwrites it with what it sent
     assert not bool(params[0].any())  # the replica values again
     params[0][2:6] += torch.tensor([1.0, 0.0, 3.0, 0.0])  # the broadcast carried half
     res.settle(params)

@@ -243,7 +243,7 @@ class CompressSession(SessionState):
         # (the owner's rounding error stays in its residual: training.allreduce)
         base = rnd.plans[b].view(rnd.dst[b], c).to(torch.float32)
         payload = self._quant(values.to(torch.float32) - base, update=True)
-        update = self._dequant(memoryview(payload), values.numel(), check=False)
+        update = self._dequant(memoryview(payload), values.numel(), check=False, update=True)
         return Z.QUANT, payload, base + update
 
     def decode_ag(
@@ -254,7 +254,7 @@ class CompressSession(SessionState):
                 return sparse.decode_ag(self, rnd, src, b, c, z, payload)
             if z != Z.QUANT:
                 raise Bad("compressed_kind")
-            out = self._dequant(payload, rnd.plans[b].chunk(c)[1])
+            out = self._dequant(payload, rnd.plans[b].chunk(c)[1], update=self.param_mode)
             if self.param_mode:  # an update of the parameters we hold
                 out += rnd.plans[b].view(rnd.dst[b], c).to(torch.float32)
                 if not all_finite(out):
@@ -274,18 +274,20 @@ class CompressSession(SessionState):
             return join(_QUANT.pack(kind, x.numel()), scale.reshape(1), q)
         return join(_QUANT.pack(kind, x.numel()), to_half(x, self.family))
 
-    def _dequant(self, payload: memoryview, count: int, *, check: bool = True) -> torch.Tensor:
+    def _dequant(
+        self, payload: memoryview, count: int, *, check: bool = True, update: bool = False
+    ) -> torch.Tensor:
         """A QUANT payload's ``count`` values as float32.
 
         ``check``: a payload from the network (every read checked, the scale in
         range, the values finite: else :class:`Bad`); False for our own payload
         (what our receivers will decode), which no peer's packet can reach.
-        The payload's kind must be our family's, flagged as an update exactly in
-        parameter rounds.
+        The payload's kind must be our family's, flagged as an update exactly when
+        ``update`` (a parameter round's broadcast; contributions never are).
         """
         r = Reader(memoryview(payload).cast("B"))
         kind, n = r.struct(_QUANT)
-        want = _QKIND.get(self.family, -1) | (_UPDATE if self.param_mode else 0)
+        want = _QKIND.get(self.family, -1) | (_UPDATE if update else 0)
         if kind != want or n != count:
             raise Bad("compressed_kind" if n == count else "compressed_count")
         if self.family == "int8":
