@@ -3,12 +3,13 @@
 Four joined peers (own loop threads) on a memory network train an MLP 64-128-10
 (9,610 parameters) with Adam on a seeded synthetic classification task, once
 dense and once with ``compress=ArcTopK(0.1, "int8")`` (the README's first
-example; lossless also DCT and Int8).  The bytes are the transports' own counters (every packet the peers
-sent, heartbeats included), so a parameter broadcast left dense would show: it
-is half of a dense step's bytes, so a ratio above 2 needs both directions
-compressed.  Lossless, every replica applies the same decoded updates and stays
-bit-identical at every step; at seeded 10% loss, ``opt.resync()`` makes them
-identical again and ``replicas_agree()`` says so; both train as dense does.
+example; lossless also DCT and Int8).  The bytes are the transports' own
+counters (every packet the peers sent, heartbeats included), so a parameter
+broadcast left dense would show: it is half of a dense step's bytes, so a ratio
+above 2 needs both directions compressed.  Lossless, every replica applies the
+same decoded updates and stays bit-identical at every step; at seeded 10% loss,
+``opt.resync()`` makes them identical again and ``replicas_agree()`` says so;
+both train as dense does.
 """
 
 from __future__ import annotations
