@@ -371,7 +371,11 @@ def _spread(
 ) -> torch.Tensor:
     """What a receiver decodes: ``vals`` at ``idx``, zero elsewhere (averages), or
     added to ``base`` (the chunk's parameters: the new parameters)."""
-    out = torch.zeros(n, dtype=torch.float32) if base is None else base.clone()
+    if base is None:
+        out = torch.zeros(n, dtype=torch.float32)
+        out[idx] = vals
+        return out
+    out = base.clone()
     out[idx] += vals
     return out
 
