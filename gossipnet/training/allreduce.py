@@ -16,6 +16,14 @@ resync round averages the parameters and repairs every lost chunk, so replicas
 become identical again; step 0 is a resync, which makes peers that started
 from different seeds consistent.
 
+With ``compress=`` both phases are compressed: the contributions, and the
+broadcast, which then carries each owner's parameter *update* (from the values
+every replica holds, at the compressor's blocks, in its value codec) that every
+replica adds; what it leaves out waits in the owner's residual
+(:mod:`gossipnet.training._residual`).  A lost update is not estimated (no later
+broadcast would overwrite the estimate): the replica keeps its values until the
+next resync, the loss rule of ``all_reduce(..., step=opt)``.
+
 Rounds are identified by the training step
 (:mod:`gossipnet.collectives.lossy.round_id`): every peer at step s runs the
 same round ids, however many calls it made before.  After every resync each
