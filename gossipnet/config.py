@@ -162,9 +162,8 @@ class Config:
             XORs payloads of one length, and compressed packets differ.  A compressed
             round moves a tenth of the dense bytes or less, so a second copy costs less
             than parity adds to a dense round, and a chunk (with the ARC-Top-K set
-            announcement it carries) is then lost with about p^2 instead of p.  In the
-            optimizer's rounds only the compressed gradients get copies (the parameter
-            broadcast is dense).  On the demo at 10% loss 2 took ArcTopK(0.1, int8)
+            announcement it carries) is then lost with about p^2 instead of p (the
+            optimizer's parameter updates too).  On the demo at 10% loss 2 took ArcTopK(0.1, int8)
             from 10.46 to 9.88 perplexity (docs/benchmarks.md, "Issue 22, session 19").
             Off by default: at 1% loss (the 20 Mbit/s testbed) they cost 57% more bytes
             and 7% more time to the target for no gain; turn them on where loss is high.
@@ -173,7 +172,8 @@ class Config:
             arrived, against the sign of this peer's own gradient, instead of
             keeping it one step behind: the gradient taken there next is what lost
             broadcasts cost (``collectives/lossy/stale_step.py``).  False keeps the old
-            values.
+            values.  Dense rounds only: a compressed round's lost update keeps the old
+            values (no later broadcast would overwrite an estimate).
     """
 
     # identity

@@ -16,6 +16,14 @@ resync round averages the parameters and repairs every lost chunk, so replicas
 become identical again; step 0 is a resync, which makes peers that started
 from different seeds consistent.
 
+With ``compress=`` both phases are compressed: the contributions, and the
+broadcast, which then carries each owner's parameter *update* (from the values
+every replica holds, at the compressor's blocks, in its value codec) that every
+replica adds; what it leaves out waits in the owner's residual
+(:mod:`gossipnet.training._residual`).  A lost update is not estimated (no later
+broadcast would overwrite the estimate): the replica keeps its values until the
+next resync, the loss rule of ``all_reduce(..., step=opt)``.
+
 Rounds are identified by the training step
 (:mod:`gossipnet.collectives.lossy.round_id`): every peer at step s runs the
 same round ids, however many calls it made before.  After every resync each
@@ -57,6 +65,7 @@ from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._realign import Realigner
+from gossipnet.training._residual import Residual
 from gossipnet.training._shards import ShardedOptimizer
 from gossipnet.training.host import TrainingHost
 from gossipnet.training.options import AllReduceOptions
@@ -121,6 +130,9 @@ class AllReduceStrategy:
             if flat is not None:
                 bucket_group.extend([g] * len(flat.buckets))
         self.shards = ShardedOptimizer(base, bucket_group)
+        self._staging: list[torch.Tensor] | None = None  # CPU copies of device buckets
+        # compressed: each owner's parameter updates not yet in the replicas (._residual)
+        self.residual = Residual() if self.compress is not None else None
         self.step_count = 0
         self.last_report: CollectiveReport | None = None
         self.last_resync: CollectiveReport | None = None
@@ -179,7 +191,7 @@ class AllReduceStrategy:
                 torch.nan_to_num_(g, nan=0.0, posinf=0.0, neginf=0.0)
             weight = 0.0
         params = self.param_buckets()
-        staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
+        staged = self._stage(params)
         gstaged = [g.cpu() for g in grads]
         with self.state_lock:
             coro = loop_cpu(
@@ -223,11 +235,28 @@ class AllReduceStrategy:
         with self.state_lock:
             cpu0 = time.thread_time()
             params = self.param_buckets()
-            staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
+            staged = self._stage(params)
             coro = loop_cpu(functools.partial(self._resync, staged, rid))
             report, loop_s = self.host.call(coro, self.timeout_s * 2 + 30)
             _write_back(params, staged)
         return stamp_cpu(report, loop_s, time.thread_time() - cpu0)
+
+    def _stage(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The CPU buckets a round runs on: a CPU bucket itself, a device bucket's
+        copy in a CPU buffer kept across steps (refreshed here).
+
+        Why kept: the shard optimizer steps views of these buffers
+        (``._shards``), built once per shard map; a fresh copy per step would
+        leave it stepping the first step's memory, blind to what a resync, a
+        realignment or (compressed) the residual did to the parameters since.
+        """
+        if self._staging is None or len(self._staging) != len(params):
+            self._staging = [b if b.device.type == "cpu" else b.cpu() for b in params]
+            return self._staging
+        for b, s in zip(params, self._staging, strict=True):
+            if s is not b:
+                s.copy_(b)
+        return self._staging
 
     def param_buckets(self) -> list[torch.Tensor]:
         """The flat parameter buckets, every group's, in order."""
@@ -242,7 +271,12 @@ class AllReduceStrategy:
         return self.host.optimizer_engine
 
     async def _resync(self, params: list[torch.Tensor], round_id: int) -> CollectiveReport:
-        """Average the parameters with repair, then announce their digest."""
+        """Average the parameters with repair, then announce their digest.
+
+        Compressed: the owners' masters stay where their optimizers put them, so
+        what the averaging moved an owned shard by joins its residual (``._residual``).
+        """
+        before = self.residual.snapshot(params) if self.residual is not None else None
         report = await self._engine().run(
             [p.clone() for p in params],
             RoundOptions(
@@ -254,6 +288,8 @@ class AllReduceStrategy:
             ),
         )
         report.method = "resync"
+        if self.residual is not None and before is not None:
+            self.residual.absorb(before, params)
         self.last_resync = report
         value = await asyncio.to_thread(digest, params)  # hashlib releases the GIL
         replicas = self.host.replicas
@@ -284,8 +320,17 @@ class AllReduceStrategy:
                 resync.extra["skipped_gradients"] = 1.0
                 return resync
 
+        residual = self.residual
+
         def on_reduced(shards: list[OwnedShard]) -> list[torch.Tensor]:
-            return self.shards.step(shards, params, self.compress)
+            if residual is None:
+                return self.shards.step(shards, params, self.compress)
+            # compressed: step the masters (replica + residual); broadcast their update
+            keys = [(s.bucket, s.start, s.average.numel()) for s in shards if s.average.numel()]
+            residual.enter(keys, params)
+            self.shards.step(shards, params, self.compress)
+            masters = iter(residual.leave(keys, params))
+            return [next(masters) if s.average.numel() else s.average for s in shards]
 
         report = await engine.run(
             grads,
@@ -295,15 +340,19 @@ class AllReduceStrategy:
                 timeout_s=self.timeout_s,
                 on_reduced=on_reduced,
                 mode=MODE_GRADS,
-                stale_step=self._stale_step,
+                # an update lost stays lost until the resync (no later broadcast
+                # overwrites an estimate): compressed rounds keep the replica's values
+                stale_step=self._stale_step if residual is None else None,
                 parity_group=self.host.config.parity_for(optimizer=True),
                 round_id=self._rid(step, GRADIENTS),
                 compress=self.compress,
             ),
         )
         self._last_align = self.realign.judge(engine.alignment())
-        if self.compress is not None:
+        if residual is not None:
+            residual.settle(params)
             report.extra["catch_up"] = float(self.shards.caught_up)
+            report.extra["residual_norm"] = residual.norm()
         return report
 
     # ------------------------------------------------------------------ state
@@ -328,6 +377,8 @@ class AllReduceStrategy:
         for g, saved in zip(self.base.param_groups, state["param_groups"], strict=True):
             g.update(saved)
         self.shards.load(state["sharded"])
+        if self.residual is not None:  # the parameters are the checkpoint's now
+            self.residual.clear()
         # Round ids already run are never reused: peers that restore the same checkpoint
         # together (same rounds run, so the same next round) move to the same fresh ids;
         # one that restores alone is out of step and realigns (``_realign``).
@@ -351,6 +402,8 @@ class AllReduceStrategy:
         ahead of our engine moves it there, keeping the packets held for it."""
         self._round_base = round_base
         self._based = True
+        if self.residual is not None:  # our replica was replaced: no update of ours applies
+            self.residual.clear()
         first = self._rid(self.step_count, EXPLICIT_RESYNC) if next_round is None else next_round
         engine = self._engine()
         if engine.next_round > first:

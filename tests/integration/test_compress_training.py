@@ -75,8 +75,8 @@ def test_optimizer_trains_with_compression_under_loss(spec: Any) -> None:
         assert len(grads) >= STEPS - 1  # the step-0 resync is dense
         assert all(x["bytes_sent"] > 0 for x in grads)
         assert max(x["compression_ratio"] for x in grads) > 1.0
-        # lost parameter broadcasts still take the estimated step on compressed rounds
-        assert sum(x.get("estimated", 0.0) for x in grads) > 0
+        # a lost update is not estimated: no later broadcast would overwrite the estimate
+        assert sum(x.get("estimated", 0.0) for x in grads) == 0
         if isinstance(spec, gossipnet.ArcTopK):
             assert all(x["index_mismatch"] >= 0 for x in grads)
 

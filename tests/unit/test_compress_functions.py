@@ -141,7 +141,8 @@ def test_smaller_values_give_larger_chunks(family: str) -> None:
         for v in ("fp32", "bf16", "int8")
     ]
     assert sizes[0] < sizes[1] < sizes[2], sizes
-    assert CompressSession(spec("int8")).chunk_bytes(16_384, 10**7, 4, 4, True) == 16_384
+    # the optimizer's parameter broadcast is compressed too: the same chunks
+    assert CompressSession(spec("int8")).chunk_bytes(16_384, 10**7, 4, 4, True) == sizes[2]
 
 
 # --------------------------------------------------------------------------- quantisers
@@ -479,19 +480,23 @@ def test_forged_broadcasts_are_counted_drops() -> None:
     bad_set = _ag(5, NONE, 4, 1, 0, 0, 0, 0) + struct.pack("<I", 10**6)
     wrong_parts = _ag(5, NONE, 9, 0, 0, 0, 0, 0, bitmaps=bytes(4))
     nan_vals = (
-        _ag(5, NONE, 4, 1, 0, 1, 1, 0)
+        _ag(5, NONE, 4, 1, 0, 16, 0, 0)
         + struct.pack("<I", 0)
         + bytes([1])  # the block's age
+        + struct.pack("<15f", *[0.0] * 15)
         + struct.pack("<f", float("nan"))
     )
     zero_age = _ag(5, NONE, 4, 1, 0, 0, 0, 0) + struct.pack("<I", 0) + bytes(1)
-    for payload in (bad_set, wrong_parts, nan_vals, zero_age):
+    # a parameter update (value kind 1, no ages) where this round broadcasts averages
+    update = _ag(5, NONE, 4, 1, 0, 16, 1, 0) + struct.pack("<I", 0) + bytes(64)
+    for payload in (bad_set, wrong_parts, nan_vals, zero_age, update):
         gather.on_ag(ctx, rnd, _pkt("p1", 0, c, Z.TOPK_AG, payload))  # type: ignore[arg-type]
     assert ctx.dropped == {
         "compressed_index": 1,
         "compressed_count": 1,
         "non_finite": 1,
         "compressed_age": 1,
+        "compressed_kind": 1,
     }
     assert not rnd.got_np[0][c]  # nothing written
 

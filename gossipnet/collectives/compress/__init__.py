@@ -30,8 +30,11 @@ The rules under loss (each tested in ``tests/unit/test_compress_*``):
   travel in that codec, named in each payload (another codec: a counted
   ``compressed_kind`` drop); a contribution's rounding error stays in ``e``, the
   owner's broadcast applies the same rounded values on every peer.
-- Quantisers (bf16, fp16, int8) have no error feedback; in the optimizer the
-  parameter broadcast stays float32 for them (a rounded parameter stays rounded).
+- Quantisers (bf16, fp16, int8) have no error feedback on the gradients.
+- The optimizer's parameter broadcast (``param_mode``) is compressed too: each
+  owner sends its chunk's *update* from the values every replica holds, which every
+  replica adds (:mod:`.sparse`, :meth:`CompressSession.encode_ag`); what it does
+  not carry stays in the owner's residual (``gossipnet.training._residual``).
 
 Report keys (``report.extra``): ``bytes_sent`` (every packet of the round this peer
 put on the wire: data, copies, ENDs, repairs; :mod:`gossipnet.collectives.lossy.wirebytes`),

@@ -8,17 +8,19 @@ payload says, itself, what it holds: its counts, its scale, its index set or
 index list, and the codec of its values.  Little-endian; counts first, then the
 sections in order:
 
-``QUANT``   ``<BI`` kind (0 bf16, 1 fp16, 2 int8), count; [int8: f32 scale]; values.
+``QUANT``   ``<BI`` kind (0 bf16, 1 fp16, 2 int8; bit 7 set: a parameter update, which
+            the receiver adds to its parameters), count; [int8: f32 scale]; values.
 ``TOPK_RS`` ``<BQ`` value codec, set tag; counts: proposed blocks, values; u32
             proposed block ids; their bf16 norms (a sparse sketch); values at the set.
-``TOPK_AG`` ``<BBHQQ`` value codec, value kind (0 at the current set, 1 dense),
+``TOPK_AG`` ``<BBHQQ`` value codec, value kind (0 averages at the current set, 1 a
+            parameter update at the blocks listed as the current set, no ages),
             participants, next tag, previous round; contributor bitmaps (this
             round, the previous); counts: current set blocks, next set blocks,
             values; u32 current set, u32 next set, u8 age per current block, values.
 ``DCT_RS``  ``<B`` value codec; count: entries; u32 indices; values.
-``DCT_AG``  ``<BBHQ`` value codec, value kind (0 sparse, 1 dense), participants,
-            previous round; two contributor bitmaps; count: entries; [u32
-            indices]; values.
+``DCT_AG``  ``<BBHQ`` value codec, value kind (0 averages, 1 a parameter update),
+            participants, previous round; two contributor bitmaps; count: entries;
+            u32 indices; values.
 
 Counts are unsigned LEB128 varints (:func:`~gossipnet.collectives.lossy.bundle.uvarint`:
 one byte below 128, two below 16384), each checked against its bound (the
@@ -36,9 +38,9 @@ with ``<QIIB`` / ``<QQHIIIBB`` headers and ``<IHI`` records.
 The sparse kinds' values are coded as the value codec says
 (:data:`~gossipnet.collectives.compress.quant.CODEC_IDS`: 0 f32, 1 bf16,
 2 int8 = an f32 scale, a u8 shift per 16 values (each group's step is
-``scale * 2**-shift``), then one int8 per value); dense values (kind 1, parameters)
-are always f32 and their codec byte names the sender's setting.  A receiver
-whose own setting differs drops the packet (``compressed_kind``).
+``scale * 2**-shift``), then one int8 per value).  A receiver whose own setting
+differs drops the packet (``compressed_kind``), as it drops an update in a round
+that broadcasts averages or the reverse.
 
 Decoders check every count against the chunk (an index beyond it, a count that
 does not add up to the payload's length, an unsorted or repeated index, a

@@ -39,6 +39,9 @@ __all__ = ("CompressSession", "Ledger")
 
 _QUANT = struct.Struct("<BI")
 _QKIND = {"bf16": 0, "fp16": 1, "int8": 2}
+#: Flag of a QUANT kind: the values are a parameter update, added to the receiver's
+#: parameters (the optimizer's broadcast), not values to take as they are.
+_UPDATE = 0x80
 
 
 class CompressSession(SessionState):
@@ -59,8 +62,6 @@ class CompressSession(SessionState):
         self, base: int, numel: int, itemsize: int, participants: int, param_mode: bool
     ) -> int:
         self.base_chunk = base
-        if param_mode:
-            return base
         n = max(1, participants)
         if self.family in HALF:
             elems = (base - 8) // 2
@@ -223,10 +224,15 @@ class CompressSession(SessionState):
     ) -> tuple[int, bytes, torch.Tensor] | None:
         if self.family in ("topk", "dct"):
             return sparse.encode_ag(self, rnd, b, c, values, counted)
-        if self.param_mode:
-            return None  # parameters go dense: a rounded parameter would stay rounded
-        payload = self._quant(values)
-        return Z.QUANT, payload, self._dequant(memoryview(payload), values.numel(), check=False)
+        if not self.param_mode:
+            payload = self._quant(values)
+            return Z.QUANT, payload, self._dequant(memoryview(payload), values.numel(), check=False)
+        # parameters: the update from the chunk every replica holds, which each adds
+        # (the owner's rounding error stays in its residual: training.allreduce)
+        base = rnd.plans[b].view(rnd.dst[b], c).to(torch.float32)
+        payload = self._quant(values.to(torch.float32) - base, update=True)
+        update = self._dequant(memoryview(payload), values.numel(), check=False, update=True)
+        return Z.QUANT, payload, base + update
 
     def decode_ag(
         self, rnd: Any, src: str, b: int, c: int, z: int, payload: memoryview
@@ -236,29 +242,41 @@ class CompressSession(SessionState):
                 return sparse.decode_ag(self, rnd, src, b, c, z, payload)
             if z != Z.QUANT:
                 raise Bad("compressed_kind")
-            return self._dequant(payload, rnd.plans[b].chunk(c)[1])
+            out = self._dequant(payload, rnd.plans[b].chunk(c)[1], update=self.param_mode)
+            if self.param_mode:  # an update of the parameters we hold
+                out += rnd.plans[b].view(rnd.dst[b], c).to(torch.float32)
+                if not all_finite(out):
+                    raise Bad("non_finite")
+            return out
         except Bad as bad:
             self.counters[f"dropped_{bad}"] += 1  # in the round's report, by reason
             return str(bad)
 
     # ------------------------------------------------------------------ quantisers
-    def _quant(self, x: torch.Tensor) -> bytes:
+    def _quant(self, x: torch.Tensor, *, update: bool = False) -> bytes:
+        """A QUANT payload of ``x``; ``update``: a parameter update (its kind says so)."""
         x = x.detach().to("cpu", torch.float32)
+        kind = _QKIND[self.family] | (_UPDATE if update else 0)
         if self.family == "int8":
             scale, q = quantize_int8(x)
-            return join(_QUANT.pack(_QKIND["int8"], x.numel()), scale.reshape(1), q)
-        return join(_QUANT.pack(_QKIND[self.family], x.numel()), to_half(x, self.family))
+            return join(_QUANT.pack(kind, x.numel()), scale.reshape(1), q)
+        return join(_QUANT.pack(kind, x.numel()), to_half(x, self.family))
 
-    def _dequant(self, payload: memoryview, count: int, *, check: bool = True) -> torch.Tensor:
+    def _dequant(
+        self, payload: memoryview, count: int, *, check: bool = True, update: bool = False
+    ) -> torch.Tensor:
         """A QUANT payload's ``count`` values as float32.
 
         ``check``: a payload from the network (every read checked, the scale in
         range, the values finite: else :class:`Bad`); False for our own payload
         (what our receivers will decode), which no peer's packet can reach.
+        The payload's kind must be our family's, flagged as an update exactly when
+        ``update`` (a parameter round's broadcast; contributions never are).
         """
         r = Reader(memoryview(payload).cast("B"))
         kind, n = r.struct(_QUANT)
-        if kind != _QKIND.get(self.family) or n != count:
+        want = _QKIND.get(self.family, -1) | (_UPDATE if update else 0)
+        if kind != want or n != count:
             raise Bad("compressed_kind" if n == count else "compressed_count")
         if self.family == "int8":
             scale = r.scale() if check else r.tensor(torch.float32, 1)

@@ -38,17 +38,32 @@ conservation holds exactly (an owner's own share of its chunks takes no packet
 and goes unrounded).  The owner's broadcast of the averages is rounded
 once more and not error-fed (int8: at most half the step of the value's
 group); the owner applies the decoded values itself, so every
-replica holds the same bits.  Parameters (the optimizer's broadcast) go float32.
+replica holds the same bits.
+
+Parameters (the optimizer's broadcast, ``param_mode``): the owner sends the
+*update* of its chunk, ``d = values - base`` where ``values`` are its new
+parameters and ``base`` the chunk as every replica holds it (``rnd.dst``), at the
+blocks (ARC-Top-K: as many as the set in force; DCT: ``density`` of the entries)
+where ``|d|`` is largest, in the value codec; every replica, the owner's too,
+adds the decoded update to ``base``, so all hold the same bits.  What was not
+sent, and the rounding, stays in the owner's parameters as the caller keeps them
+(``training.allreduce``: its residual), so it is sent later: error feedback on the
+parameters (EF21-P, Gruntkowska et al. 2023).  With Adam's catch-up step the
+update lies on the set in force (only its elements move), so these are the
+same blocks.  A lost update stays missing on that receiver until the next
+resync (the loss rule of ``all_reduce(..., step=opt)``).
 """
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from gossipnet.collectives.chunks import all_finite
 from gossipnet.collectives.compress import budget, dct, topk
 from gossipnet.collectives.compress.payload import (
     NONE,
@@ -317,13 +332,20 @@ def encode_ag(
     values = values.detach().to(torch.float32)
     param = sess.param_mode
     codec = CODEC_IDS[sess.values]
+    base = rnd.plans[b].view(rnd.dst[b], c).to(torch.float32) if param else None
+    if base is not None:
+        values = values - base  # the update every replica adds to ``base``
     if sess.family == "dct":
-        idx = _EMPTY if param else torch.nonzero(values).flatten()
-        coded, vals = _broadcast_values(sess, values, idx, param)
+        if param:
+            k = max(1, min(n, math.ceil(sess.density(b) * n)))
+            idx = torch.sort(torch.topk(values.abs(), k, sorted=False).indices).values
+        else:
+            idx = torch.nonzero(values).flatten()
+        coded, vals = code_values(values[idx], sess.values)
         head = _DCT_AG.pack(codec, int(param), len(parts), prev_round)
         counts = uvarint(vals.numel())
         payload = join(head, bitmap(bits), bitmap(prev_bits), counts, idx.to(torch.int32), *coded)
-        return Z.DCT_AG, payload, _spread(values, idx, vals, param)
+        return Z.DCT_AG, payload, _spread(base, n, idx, vals)
     _, cur = _set_in_force(sess, rnd, b, c, n)
     m = topk.block_count(n, sess.block)
     energy = sess.sk.get(key, torch.zeros(m))
@@ -332,11 +354,16 @@ def encode_ag(
         energy = energy * weights  # the step each block would take (.staleness)
     nxt = topk.choose_blocks(energy, budget.next_size(sess, rnd, b, off, n))
     sess.force[key] = (rnd.r, nxt)
-    idx = topk.block_indices(cur, sess.block, n)
-    ages = _block_ages(sess, b, off, cur)
-    if sess.stale is not None and not param:
-        sess.stale.apply(b, off, n, idx + off, topk.per_element(ages, cur, sess.block, n))
-    coded, vals = _broadcast_values(sess, values, idx, param)
+    ages = torch.zeros(0, dtype=torch.float32)  # parameters: no ages (nothing steps on them)
+    if param:  # the blocks of the largest update, as many as the set in force
+        cur = topk.choose_blocks(topk.sketch(values, sess.block), cur.numel())
+        idx = topk.block_indices(cur, sess.block, n)
+    else:
+        idx = topk.block_indices(cur, sess.block, n)
+        ages = _block_ages(sess, b, off, cur)
+        if sess.stale is not None:
+            sess.stale.apply(b, off, n, idx + off, topk.per_element(ages, cur, sess.block, n))
+    coded, vals = code_values(values[idx], sess.values)
     head = _TOPK_AG.pack(codec, int(param), len(parts), rnd.r, prev_round)
     counts = uvarint(cur.numel()) + uvarint(nxt.numel()) + uvarint(vals.numel())
     payload = join(
@@ -349,7 +376,7 @@ def encode_ag(
         ages.to(torch.uint8),
         *coded,
     )
-    return Z.TOPK_AG, payload, _spread(values, idx, vals, param)
+    return Z.TOPK_AG, payload, _spread(base, n, idx, vals)
 
 
 def _block_ages(sess: CompressSession, b: int, off: int, cur: torch.Tensor) -> torch.Tensor:
@@ -360,24 +387,17 @@ def _block_ages(sess: CompressSession, b: int, off: int, cur: torch.Tensor) -> t
     return sess.stale.owned_ages(b, cur.to(torch.int64) * sess.block + off)
 
 
-def _broadcast_values(
-    sess: CompressSession, values: torch.Tensor, idx: torch.Tensor, param: bool
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """(what travels, what receivers decode) of a broadcast: parameters float32 (a
-    rounded parameter would stay rounded), averages at ``idx`` in our codec."""
-    if param:
-        return [values], values
-    return code_values(values[idx], sess.values)
-
-
 def _spread(
-    values: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor, param: bool
+    base: torch.Tensor | None, n: int, idx: torch.Tensor, vals: torch.Tensor
 ) -> torch.Tensor:
-    """What a receiver decodes: ``values`` (parameters) or ``vals`` at ``idx``, else 0."""
-    if param:
-        return values
-    out = torch.zeros_like(values)
-    out[idx] = vals
+    """What a receiver decodes: ``vals`` at ``idx``, zero elsewhere (averages), or
+    added to ``base`` (the chunk's parameters: the new parameters)."""
+    if base is None:
+        out = torch.zeros(n, dtype=torch.float32)
+        out[idx] = vals
+        return out
+    out = base.clone()
+    out[idx] += vals
     return out
 
 
@@ -397,7 +417,7 @@ def decode_ag(
         _same_codec(sess, codec)
         bm, bmp = _bitmaps(r, nparts, len(parts), vkind)
         nvals = r.count(n)
-        idx = r.indices(nvals, n) if vkind == 0 else _EMPTY
+        idx = r.indices(nvals, n)
     else:
         if z != Z.TOPK_AG:
             raise Bad("compressed_kind")
@@ -408,13 +428,15 @@ def decode_ag(
         ncur, nnext, nvals = r.count(m), r.count(m), r.count(n)
         cur = r.indices(ncur, m)
         nxt = r.indices(nnext, m)
-        ages = r.ages(ncur)
+        ages = r.ages(0 if vkind else ncur)
         if tag != rnd.r:
             raise Bad("compressed_tag")
-        idx = topk.block_indices(cur, sess.block, n) if vkind == 0 else _EMPTY
-    vals = r.values(nvals) if vkind else r.coded(nvals, sess.values)
+        idx = topk.block_indices(cur, sess.block, n)
+    if vkind != int(sess.param_mode):  # an update where averages belong, or the reverse
+        raise Bad("compressed_kind")
+    vals = r.coded(nvals, sess.values)
     r.done()
-    if nvals != (n if vkind else idx.numel()):
+    if nvals != idx.numel():
         raise Bad("compressed_count")
     me = parts.index(rnd.me)
     _resolve(sess, b, c, rnd.r, src, in_bitmap(bm, me))
@@ -425,12 +447,11 @@ def decode_ag(
     if sess.stale is not None and nxt is not None and not vkind:
         off = rnd.plans[b].chunk(c)[0]
         sess.stale.apply(b, off, n, idx + off, topk.per_element(ages, cur, sess.block, n))
-    return vals.clone() if vkind else _dense(n, idx, vals)
-
-
-def _dense(n: int, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(n, dtype=torch.float32)
-    out[idx] = vals
+    if not vkind:
+        return _spread(None, n, idx, vals)
+    out = _spread(rnd.plans[b].view(rnd.dst[b], c).to(torch.float32), n, idx, vals)
+    if not all_finite(out):  # finite parameters plus a finite update can still overflow
+        raise Bad("non_finite")
     return out
 
 

@@ -58,8 +58,9 @@ def _positive_int(name: str, value: object) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Int8:
     """Int8 with one float32 scale per chunk (per packet): ``q = round(x / s)``,
-    ``s = max|x| / 127``; 4x fewer bytes than float32, no error feedback (the
-    rounding error is below 1/254 of the chunk's largest magnitude)."""
+    ``s = max|x| / 127``; 4x fewer bytes than float32, no error feedback on the
+    gradients (the rounding error is below 1/254 of the chunk's largest magnitude).
+    The optimizer's parameter updates travel alike, their rounding kept by the owner."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,7 +82,8 @@ class ArcTopK:
             power-of-two step per 16 values, :func:`.quant.quantize_grouped_int8`).
             The contributions' rounding error stays in the error feedback; the
             owner's broadcast of the averages is rounded once, not error-fed (int8:
-            at most half the step of the value's group); parameters go float32.
+            at most half the step of the value's group); the optimizer's parameter
+            updates travel in it too, their rounding kept by the owner.
         catch_up: with an Adam or AdamW base optimizer (``net.optimizer``, or
             ``net.all_reduce(..., step=opt)``), step
             each element as the rounds its value stands for (error feedback sends

@@ -26,6 +26,10 @@ Decoded = tuple[torch.Tensor, float | None] | str
 class ChunkCodec(Protocol):
     """One compressor for one round; every method runs on the loop thread."""
 
+    #: The round's broadcast carries parameters (set by :meth:`begin`): each chunk
+    #: travels as its update from ``rnd.dst``, which every receiver adds to its own.
+    param_mode: bool
+
     def setting(self) -> str:
         """What every peer must pass alike (family, value codec, block), short: it
         joins the round's layout description, so another setting is a
@@ -36,13 +40,13 @@ class ChunkCodec(Protocol):
         self, base: int, numel: int, itemsize: int, participants: int, param_mode: bool
     ) -> int:
         """Bytes of dense data per chunk so that a compressed payload fits ``base``
-        (``param_mode``: the broadcast is dense parameters, so chunks stay ``base``)."""
+        (``param_mode``: the broadcast carries parameter updates, compressed alike)."""
         ...
 
     def begin(self, rnd: Any, param_mode: bool) -> None:
         """Before the round's sends: compress our own contribution to our shard
         (into the reducers' accumulators); ``param_mode``: the broadcast carries
-        parameters (the optimizer), not the averages."""
+        parameters (the optimizer), not the averages: see :attr:`param_mode`."""
         ...
 
     def encode_rs(self, rnd: Any, owner: str, b: int, c: int) -> tuple[int, bytes]:
@@ -59,13 +63,16 @@ class ChunkCodec(Protocol):
         self, rnd: Any, b: int, c: int, values: torch.Tensor, counted: Callable[[str], bool]
     ) -> tuple[int, bytes, torch.Tensor] | None:
         """``(z, payload, what receivers will decode)`` of our broadcast of chunk
-        ``c`` (``values`` its averages or parameters); None: send it dense."""
+        ``c`` (``values`` its averages, or its new parameters: then the payload is
+        their update from ``rnd.dst``'s chunk, and what receivers decode is that
+        chunk plus the decoded update); None: send it dense."""
         ...
 
     def decode_ag(
         self, rnd: Any, src: str, b: int, c: int, z: int, payload: memoryview
     ) -> torch.Tensor | str:
-        """A broadcast chunk's dense values, or why it was dropped."""
+        """A broadcast chunk's dense values (parameter rounds: ``rnd.dst``'s chunk
+        plus the update), or why it was dropped."""
         ...
 
     def finish(self, rnd: Any) -> dict[str, float]:

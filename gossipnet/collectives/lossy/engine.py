@@ -183,8 +183,7 @@ class LossyAllReduce(Intake):
                 and (node.config.parity_always or self.loss.lossy(self._others(rnd)))
             ):
                 rnd.redundancy = copies  # copies instead, while loss is seen
-                if opts.on_reduced is None:  # the optimizer's broadcast is dense parameters
-                    rnd.ag_redundancy = copies
+                rnd.ag_redundancy = copies
         if opts.stale_step is not None:
             rnd.step_mag = StaleStep.fresh(rnd)
         try:

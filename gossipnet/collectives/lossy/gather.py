@@ -14,6 +14,10 @@ own value keeps the drift between replicas bounded (Weintraub et al. 2025),
 while a retransmission would make every round as slow as its worst link.
 Resyncs, which must leave every peer identical, re-request lost chunks
 (:mod:`.repair`), answered from the bytes kept in ``Round.broadcast``.
+A compressed parameter round (the optimizer's, ``ChunkCodec.param_mode``) sends
+each chunk's update from the value every replica holds and the receivers add it
+(:mod:`gossipnet.collectives.compress.sparse`); a lost update leaves the
+receiver's chunk where it was until the next resync.
 """
 
 from __future__ import annotations
@@ -85,7 +89,10 @@ def _encode_shard(
     """Our compressed broadcasts of ``shard``'s chunks, by chunk; ``value`` becomes
     what the receivers decode (so our own copy is bit-identical to theirs).
 
-    A chunk the codec leaves dense (parameters under a quantiser) is not in the result.
+    A chunk the codec leaves dense is not in the result.  In a parameter round
+    (the optimizer's: the codec sends each chunk's update from ``dst``) a chunk
+    that is not sent (no weight arrived) keeps ``dst``'s value here too, as it
+    does on every receiver: the update waits in the caller's residual.
     """
     codec = rnd.codec
     assert codec is not None
@@ -94,10 +101,12 @@ def _encode_shard(
     owned = rnd.owned[b]
     out: dict[int, tuple[int, bytes]] = {}
     for c in owned:
-        if shard.weights[c - owned.start] <= 0:
-            continue
         off, count = plan.chunk(c)
         view = value.narrow(0, off - shard.start, count)
+        if shard.weights[c - owned.start] <= 0:
+            if codec.param_mode and value is not shard.average:
+                view.copy_(plan.view(rnd.dst[b], c))
+            continue
         got = codec.encode_ag(rnd, b, c, view, functools.partial(_has, red, c))
         if got is not None:
             z, payload, decoded = got

@@ -224,8 +224,7 @@ class Round:
         self.ag_chunks_sent = 0
         self.rs_sent_to: collections.Counter[str] = collections.Counter()
         self.redundancy = redundancy
-        # the all-gather's copies: the same, but for a compressed optimizer round's
-        # dense parameter broadcast, which compressed copies do not cover (1)
+        # the all-gather's copies (the engine raises both for compressed rounds)
         self.ag_redundancy = redundancy
         self.copies_sent = 0
         # compressed data packets that arrived behind a later packet of their sender
