@@ -352,7 +352,7 @@ class Peer:
         return self._resync_step(opt, t)
 
     def _resync_step(self, opt: torch.optim.Optimizer, timeout_s: float) -> CollectiveReport:
-        return self._step_resync.run(opt, self._engine(), self._call, timeout_s)
+        return self._step_resync.run(opt, self._engine(), self._call, timeout_s, self._replicas)
 
     def _compress_session(
         self, spec: Compression, buckets: Sequence[torch.Tensor]
@@ -487,14 +487,15 @@ class Peer:
     def replicas_agree(self, timeout: float | None = None) -> ReplicaCheck:
         """Whether every alive peer's replica is the same as ours at the last resync.
 
-        The optimizer (``net.optimizer``) hashes its parameters after every resync
-        and announces the digest in its heartbeats; this compares the alive peers'
-        digests for our latest resync, waiting up to ``timeout`` seconds (default:
-        two heartbeat intervals and a half) for those not heard yet.  A peer that
-        the others outvote repairs itself at its next step (the report's
-        ``extra["replica_repaired"]``).  For a check at the end of training, call
-        ``opt.resync()`` first: between resyncs replicas differ by design where
-        broadcasts were lost.
+        Every resync (``net.optimizer``'s, and ``net.resync(opt)`` or a scheduled
+        resync of ``all_reduce(..., step=opt)``) hashes the parameters and announces
+        the digest in heartbeats; this compares the digests for our latest resync of
+        the peers heard taking part in it, waiting up to ``timeout`` seconds
+        (default: two heartbeat intervals and a half) for those not heard yet.  With
+        ``net.optimizer`` a peer that the others outvote repairs itself at its next
+        step (the report's ``extra["replica_repaired"]``).  For a check at the end of
+        training, call ``opt.resync()`` (or ``net.resync(opt)``) first: between
+        resyncs replicas differ by design where broadcasts were lost.
 
         Returns:
             A :class:`gossipnet.ReplicaCheck`, truthy when all agree; ``disagree``
@@ -508,9 +509,9 @@ class Peer:
         check = self._call(self._await_digests(t), t + 30)
         if check.round_id is None:
             raise ConfigError(
-                "replicas_agree() compares the parameter digests that net.optimizer"
-                " announces after each resync, and none has run here yet: call"
-                " opt.resync() (or train past step 0) first"
+                "replicas_agree() compares the parameter digests announced after each"
+                " resync, and none has run here yet: call opt.resync() (net.optimizer)"
+                " or net.resync(opt) (all_reduce(..., step=opt)) first"
             )
         return check
 

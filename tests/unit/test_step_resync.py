@@ -165,3 +165,33 @@ def test_an_explicit_resync_ends_training_with_one_model() -> None:
     assert bool((after >= before.min(0).values - 1e-6).all())
     assert bool((after <= before.max(0).values + 1e-6).all())
     assert all(not torch.equal(after, o[0]) for o in out)
+
+
+@pytest.mark.timeout(90)
+def test_replicas_agree_after_an_explicit_resync() -> None:
+    """``net.replicas_agree()`` on the ``step=`` path: after ``net.resync(opt)`` every
+    peer compares the resync's digests and finds every replica the same (before, it
+    raised ``ConfigError`` asking for ``opt.resync()``, which a torch optimizer lacks)."""
+
+    def body(rank: int, net: gossipnet.Peer) -> tuple[Any, str]:
+        w = torch.nn.Parameter(torch.zeros(SIZE))
+        opt = torch.optim.SGD([w], lr=0.1)
+        for step in range(4):
+            w.grad = _grad(rank, step)
+            net.all_reduce([w.grad], step=opt)
+        rep = net.resync(opt)
+        check = net.replicas_agree(timeout=10.0)
+        return check, str(rep.round)
+
+    faults = gossipnet.FaultPlan(loss=0.2, seed=3)
+    out = run_peers(
+        3, body, timeout_s=90, faults=faults, collective_timeout_s=5.0,
+        resync_every_steps=0, **FAST,
+    )  # fmt: skip
+    for check, rid in out:
+        assert check, check
+        assert check.missing == ()
+        assert check.disagree == ()
+        assert str(check.round_id) == rid  # the digest of that very resync
+        assert sorted(check.digests) == ["p0", "p1", "p2"]
+    assert len({check.majority for check, _ in out}) == 1
