@@ -212,7 +212,12 @@ class Peer:
                 and Adam or AdamW it takes the catch-up step (each value as the
                 rounds it stands for; ``report.extra["catch_up"]`` is 1), which
                 plain ``opt.step()`` after the call cannot (see README, "Gradient
-                compression"); otherwise it is ``step.step()``.  Before the first such
+                compression"), inside the optimizer's own step bookkeeping (its step
+                hooks run, and LR schedulers see the step); otherwise it is
+                ``step.step()``.  The round is then a training step's, with the lossy
+                optimizer's loss rule: XOR parity while loss is seen
+                (``Config.parity_for(optimizer=True)``; compressed rounds send
+                ``Config.compressed_copies`` instead).  Before the first such
                 call's round and after every ``Config.resync_every_steps`` calls, a round
                 averages ``step``'s parameters with repair, so the replicas that lost
                 chunks let drift apart are identical again (``extra["resync"]`` is 1,
@@ -252,7 +257,10 @@ class Peer:
                 session.track_applied()
         resyncs = self._step_resync  # replicas made identical (gossipnet/_step_resync.py)
         resync = self._resync_step(step, t) if step is not None and resyncs.first() else None
-        work = functools.partial(self._all_reduce, staged.cpu, weight, t, session, robust)
+        # a training step's gradients: the optimizer's loss rule (XOR parity while loss
+        # is seen; a compressed round sends copies instead, Config.compressed_copies)
+        parity = self.config.parity_for(optimizer=step is not None)
+        work = functools.partial(self._all_reduce, staged.cpu, weight, t, session, robust, parity)
         report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)
         if step is not None:
@@ -328,8 +336,15 @@ class Peer:
         timeout_s: float,
         session: CompressSession | None = None,
         robust: CenteredClip | None = None,
+        parity_group: int | None = None,
     ) -> CollectiveReport:
-        opts = RoundOptions(weight=weight, timeout_s=timeout_s, compress=session, robust=robust)
+        opts = RoundOptions(
+            weight=weight,
+            timeout_s=timeout_s,
+            compress=session,
+            robust=robust,
+            parity_group=parity_group,
+        )
         return await self._engine().run(buckets, opts)
 
     def resync(self, opt: torch.optim.Optimizer, timeout: float | None = None) -> CollectiveReport:

@@ -25,16 +25,23 @@ load into stock Adam and back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.optim import optimizer as torch_optimizer
 
 from gossipnet.collectives.compress import CompressSession
 from gossipnet.collectives.compress.staleness import STALE
 from gossipnet.runtime.flatbuffer import FlatBuffer
 
-__all__ = ("catch_up_step", "selection_weights", "step_all_reduced", "supports")
+__all__ = (
+    "as_optimizer_step",
+    "catch_up_step",
+    "selection_weights",
+    "step_all_reduced",
+    "supports",
+)
 
 
 def supports(opt: torch.optim.Optimizer) -> bool:
@@ -103,6 +110,36 @@ def selection_weights(state: dict[str, Any], group: dict[str, Any]) -> torch.Ten
     return denom.square_().reciprocal_()
 
 
+def as_optimizer_step(opt: torch.optim.Optimizer, update: Callable[[], None]) -> None:
+    """Run ``update`` as ``opt.step()`` runs its own update, for a step that replaces it.
+
+    Inside the step's profiler range; after the global and ``opt``'s step pre-hooks,
+    before its post-hooks and the global ones (each called with ``(opt, (opt,), {})``,
+    as ``opt.step()`` calls them; a pre-hook's replacement arguments have nothing to
+    replace here); and recorded as a step where torch's learning-rate schedulers
+    look for one: ``opt._opt_called``, which the wrapper a scheduler puts on
+    ``opt.step`` sets, and ``opt._step_count`` where the older wrapper
+    (``_with_counter``) counts steps there instead.  Why: the catch-up step is the
+    optimizer's step for that call; skipped, every scheduler warned that it ran
+    before ``optimizer.step()``, and step hooks (an EMA of the weights, a
+    framework's bookkeeping) silently missed every step.
+    """
+    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", {})
+    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", {})
+    args: tuple[Any, ...] = (opt,)
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
+        for hook in (*pre.values(), *opt._optimizer_step_pre_hooks.values()):
+            hook(opt, args, {})
+        update()
+        opt._optimizer_step_code()
+        for hook in (*opt._optimizer_step_post_hooks.values(), *post.values()):
+            hook(opt, args, {})
+    opt._opt_called = True  # type: ignore[attr-defined]
+    count = getattr(opt, "_step_count", None)
+    if getattr(opt.step, "_with_counter", False) and type(count) is int:
+        opt._step_count = count + 1  # type: ignore[attr-defined]
+
+
 def step_all_reduced(
     opt: torch.optim.Optimizer,
     grads: Sequence[torch.Tensor],
@@ -123,6 +160,18 @@ def step_all_reduced(
     if session is None or ages is None or not supports(opt):
         opt.step()
         return False
+    as_optimizer_step(opt, lambda: _catch_up_all(opt, grads, flat, session, ages))
+    return True
+
+
+def _catch_up_all(
+    opt: torch.optim.Optimizer,
+    grads: Sequence[torch.Tensor],
+    flat: FlatBuffer,
+    session: CompressSession,
+    ages: list[torch.Tensor],
+) -> None:
+    """The catch-up step of every parameter of ``opt`` (see :func:`step_all_reduced`)."""
     # a chunk whose broadcast was lost holds our own gradient: one round's, dense
     ages = [torch.where(a == STALE, 1.0, a) for a in ages]
     by_grad = {id(g): a for g, a in zip(grads, flat.split(ages), strict=True)}
@@ -142,4 +191,3 @@ def step_all_reduced(
                 w.copy_(sel)
     for b, w in enumerate(weights):
         session.selection_weights(b, 0, w, everywhere=True)
-    return True
