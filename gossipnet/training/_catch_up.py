@@ -25,18 +25,17 @@ load into stock Adam and back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.optim import optimizer as torch_optimizer
 
 from gossipnet.collectives.compress import CompressSession
 from gossipnet.collectives.compress.staleness import STALE
 from gossipnet.runtime.flatbuffer import FlatBuffer
+from gossipnet.training._stepping import as_optimizer_step
 
 __all__ = (
-    "as_optimizer_step",
     "catch_up_step",
     "selection_weights",
     "step_all_reduced",
@@ -108,36 +107,6 @@ def selection_weights(state: dict[str, Any], group: dict[str, Any]) -> torch.Ten
     bc2 = 1.0 - float(group["betas"][1]) ** float(state["step"])
     denom = (state["exp_avg_sq"] / bc2).sqrt_().add_(float(group["eps"]))
     return denom.square_().reciprocal_()
-
-
-def as_optimizer_step(opt: torch.optim.Optimizer, update: Callable[[], None]) -> None:
-    """Run ``update`` as ``opt.step()`` runs its own update, for a step that replaces it.
-
-    Inside the step's profiler range; after the global and ``opt``'s step pre-hooks,
-    before its post-hooks and the global ones (each called with ``(opt, (opt,), {})``,
-    as ``opt.step()`` calls them; a pre-hook's replacement arguments have nothing to
-    replace here); and recorded as a step where torch's learning-rate schedulers
-    look for one: ``opt._opt_called``, which the wrapper a scheduler puts on
-    ``opt.step`` sets, and ``opt._step_count`` where the older wrapper
-    (``_with_counter``) counts steps there instead.  Why: the catch-up step is the
-    optimizer's step for that call; skipped, every scheduler warned that it ran
-    before ``optimizer.step()``, and step hooks (an EMA of the weights, a
-    framework's bookkeeping) silently missed every step.
-    """
-    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", {})
-    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", {})
-    args: tuple[Any, ...] = (opt,)
-    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(opt).__name__}.step"):
-        for hook in (*pre.values(), *opt._optimizer_step_pre_hooks.values()):
-            hook(opt, args, {})
-        update()
-        opt._optimizer_step_code()
-        for hook in (*opt._optimizer_step_post_hooks.values(), *post.values()):
-            hook(opt, args, {})
-    opt._opt_called = True  # type: ignore[attr-defined]
-    count = getattr(opt, "_step_count", None)
-    if getattr(opt.step, "_with_counter", False) and type(count) is int:
-        opt._step_count = count + 1  # type: ignore[attr-defined]
 
 
 def step_all_reduced(

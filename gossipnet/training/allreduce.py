@@ -58,6 +58,7 @@ from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._realign import Realigner
 from gossipnet.training._shards import ShardedOptimizer
+from gossipnet.training._stepping import as_optimizer_step
 from gossipnet.training.host import TrainingHost
 from gossipnet.training.options import AllReduceOptions
 from gossipnet.training.replicas import ReplicaCheck, digest
@@ -181,13 +182,19 @@ class AllReduceStrategy:
         params = self.param_buckets()
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         gstaged = [g.cpu() for g in grads]
-        with self.state_lock:
-            coro = loop_cpu(
-                functools.partial(self._round, gstaged, staged, weight, self.step_count)
-            )
-            report, loop_s = self.host.call(coro, self.timeout_s * 3 + 30)
-            _write_back(params, staged)
-            self.step_count += 1
+
+        def update() -> tuple[CollectiveReport, float]:
+            with self.state_lock:
+                coro = loop_cpu(
+                    functools.partial(self._round, gstaged, staged, weight, self.step_count)
+                )
+                out = self.host.call(coro, self.timeout_s * 3 + 30)
+                _write_back(params, staged)
+                self.step_count += 1
+            return out
+
+        # the base's step, as its hooks and LR schedulers see it (it never steps itself)
+        report, loop_s = as_optimizer_step(self.base, update)
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if mb is not None:
             report.extra.update(mb.as_extra())

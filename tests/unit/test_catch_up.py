@@ -15,7 +15,8 @@ import torch
 from gossipnet.collectives.compress.staleness import MAX_AGE, STALE, Staleness
 from gossipnet.collectives.compress.topk import block_mean
 from gossipnet.runtime.flatbuffer import FlatBuffer
-from gossipnet.training._catch_up import as_optimizer_step, catch_up_step, supports
+from gossipnet.training._catch_up import catch_up_step, supports
+from gossipnet.training._stepping import as_optimizer_step
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
