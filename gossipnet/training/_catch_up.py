@@ -35,12 +35,7 @@ from gossipnet.collectives.compress.staleness import STALE
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._stepping import as_optimizer_step
 
-__all__ = (
-    "catch_up_step",
-    "selection_weights",
-    "step_all_reduced",
-    "supports",
-)
+__all__ = ("catch_up_step", "selection_weights", "step_all_reduced", "supports")
 
 
 def supports(opt: torch.optim.Optimizer) -> bool:

@@ -160,6 +160,16 @@ class AllReduceStrategy:
         Non-finite gradients are sent as zeros with weight 0.
         """
         self._settle_base()
+        # the base's step as its step hooks and LR schedulers see it (it never steps
+        # itself): pre-hooks before the gradients are read, post-hooks once the new
+        # parameters are in place, before any realignment replaces them
+        report = as_optimizer_step(self.base, lambda: self._step(closure, weight))
+        self.realign.after_step(report, self._last_align)
+        self.last_report = report
+        return report
+
+    def _step(self, closure: Callable[[], Any] | None, weight: float | None) -> CollectiveReport:
+        """The step itself: gradients out, this step's rounds, parameters back."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -182,24 +192,16 @@ class AllReduceStrategy:
         params = self.param_buckets()
         staged = [b if b.device.type == "cpu" else b.cpu() for b in params]
         gstaged = [g.cpu() for g in grads]
-
-        def update() -> tuple[CollectiveReport, float]:
-            with self.state_lock:
-                coro = loop_cpu(
-                    functools.partial(self._round, gstaged, staged, weight, self.step_count)
-                )
-                out = self.host.call(coro, self.timeout_s * 3 + 30)
-                _write_back(params, staged)
-                self.step_count += 1
-            return out
-
-        # the base's step, as its hooks and LR schedulers see it (it never steps itself)
-        report, loop_s = as_optimizer_step(self.base, update)
+        with self.state_lock:
+            coro = loop_cpu(
+                functools.partial(self._round, gstaged, staged, weight, self.step_count)
+            )
+            report, loop_s = self.host.call(coro, self.timeout_s * 3 + 30)
+            _write_back(params, staged)
+            self.step_count += 1
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if mb is not None:
             report.extra.update(mb.as_extra())
-        self.realign.after_step(report, self._last_align)
-        self.last_report = report
         return report
 
     def _gradients(self) -> list[torch.Tensor]:
