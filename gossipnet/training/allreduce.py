@@ -226,6 +226,9 @@ class AllReduceStrategy:
     def resync(self) -> CollectiveReport:
         """Average parameters now and repair every lost chunk (replicas become equal)."""
         self._settle_base()
+        held = self.realign.resynced
+        if held is not None and held[:2] == (self.step_count, self._engine().next_round):
+            return held[2]  # we took the others' parameters after this step's resync
         rid = max(self._rid(self.step_count, EXPLICIT_RESYNC), self._engine().next_round)
         if rid >= self._rid(self.step_count, GRADIENTS) and self.last_resync is not None:
             return self.last_resync  # two resyncs already since the last step: nothing changed
