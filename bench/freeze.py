@@ -15,6 +15,9 @@ digests agree.  Before the round-identity change replicas ended 1.2-3.4% apart.
 
 Each freeze lasts 2.5 failure timeouts (2.5 s; the issue's was 5 s with the default
 3 s timeout); the others run on meanwhile, about 40 steps of this model here.
+``--plan PEER:STEP,...`` freezes instead those peers, each once another peer passes
+that step; ``--plan 1:30,1:138 --quick`` freezes peer 1 twice, the second time so
+close to the end that the others finish (and run their final resync) before it thaws.
 
 The last stdout line is JSON with ``max_rel_l2``, ``eval_min``, ``eval_max``,
 ``realigned`` and ``digests_agree``, and wall and CPU seconds.
@@ -85,7 +88,13 @@ def _reader(proc: subprocess.Popen[str], rank: int, lines: queue.Queue[tuple[int
         lines.put((rank, line.strip()))
 
 
-def run(peers: int, steps: int, freeze_s: float, out: Path) -> dict[str, Any]:
+def run(
+    peers: int,
+    steps: int,
+    freeze_s: float,
+    out: Path,
+    plan: list[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
     addrs = [f"tcp://127.0.0.1:{p}" for p in free_ports(peers)]
     cmd = [sys.executable, __file__, "--worker"]
     procs = [
@@ -104,7 +113,7 @@ def run(peers: int, steps: int, freeze_s: float, out: Path) -> dict[str, Any]:
     # peer k is frozen once another peer passes step 20 + k * gap: the others have
     # time to run on without it, and to finish only after its thaw
     gap = (steps - 40) // peers
-    plan = [(k, 20 + k * gap) for k in range(peers)]
+    plan = list(plan) if plan else [(k, 20 + k * gap) for k in range(peers)]
     step, done, thaw_at = [0] * peers, set(), 0.0
     freezes: list[tuple[int, list[int]]] = []  # (peer, every peer's step when it froze)
     frozen: int | None = None
@@ -167,7 +176,13 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--freeze-s", type=float, default=None)
+    parser.add_argument("--plan", default=None, help="PEER:STEP,... (default: each peer once)")
     args = parser.parse_args()
+    plan = (
+        [(int(p), int(s)) for p, s in (x.split(":") for x in args.plan.split(","))]
+        if args.plan
+        else None
+    )
     peers = args.peers or (3 if args.quick else 4)
     steps = args.steps or (150 if args.quick else 300)
     freeze_s = args.freeze_s or 2.5 * NET["failure_timeout_s"]
@@ -175,10 +190,11 @@ def main() -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        summary = run(peers, steps, freeze_s, Path(tmp))
+        summary = run(peers, steps, freeze_s, Path(tmp), plan)
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     print(
-        f"{peers} peers, {steps} steps, each frozen {freeze_s:.1f} s in turn: replicas' relative"
+        f"{peers} peers, {steps} steps, frozen {freeze_s:.1f} s at a time"
+        f" ({[p for p, _ in summary['freezes']]}): replicas' relative"
         f" L2 from their mean max {summary['max_rel_l2']:.2e}; held-out loss"
         f" {summary['eval_min']:.4f}-{summary['eval_max']:.4f}; realigned"
         f" {summary['realigned']}; digests agree {summary['digests_agree']}"

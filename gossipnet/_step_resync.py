@@ -16,6 +16,12 @@ holding the same values.  The first runs before the first call's round, as DDP's
 start-up broadcast does: it makes peers that started from different weights
 consistent, and warns that they did (seed every peer alike).
 
+Like the optimizer's resyncs, each one ends with a digest of the parameters announced
+to the peers heard in the round (:mod:`gossipnet.training.replicas`), so
+``net.replicas_agree()`` answers after ``net.resync(opt)`` as after ``opt.resync()``.
+Nothing is repaired from that verdict on this path: it only says whether the replicas
+agree (the resync itself is what makes them agree).
+
 Every peer counts its own ``step=`` calls, so peers that make the same calls with
 the same ``resync_every_steps`` run their resyncs at the same rounds (as the
 optimizer strategy's do); the round is of another mode than gradient rounds, so a
@@ -25,6 +31,7 @@ gradients.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -36,6 +43,7 @@ from gossipnet.collectives.lossy.engine import LossyAllReduce, RoundOptions
 from gossipnet.reports import CollectiveReport
 from gossipnet.runtime.cputime import loop_cpu, stamp_cpu
 from gossipnet.runtime.flatbuffer import FlatBuffer
+from gossipnet.training.replicas import ReplicaDigests, digest
 
 __all__ = ("MODE_STEP_RESYNC", "StepResync", "optimizer_params")
 
@@ -86,8 +94,11 @@ class StepResync:
         engine: LossyAllReduce,
         call: Callable[[Coroutine[Any, Any, Any], float], Any],
         timeout_s: float,
+        replicas: ReplicaDigests | None = None,
     ) -> CollectiveReport:
-        """Average ``opt``'s parameters with repair, on the peer's loop via ``call``.
+        """Average ``opt``'s parameters with repair, on the peer's loop via ``call``,
+        then announce their digest through ``replicas`` (the peer's, for
+        ``net.replicas_agree()``; only the peers heard in the round vote on it).
 
         The report's ``extra["resync_moved"]`` is the largest change of one of this
         peer's parameters (its drift from the average); at the first resync a
@@ -108,7 +119,12 @@ class StepResync:
         )
 
         async def work() -> CollectiveReport:
-            return await engine.run(src, opts)
+            report = await engine.run(src, opts)
+            if replicas is not None:
+                in_sync = engine.alignment().in_sync  # this round's (no await since it ended)
+                value = await asyncio.to_thread(digest, staged.cpu)  # releases the GIL
+                replicas.publish(report.round, value, in_sync)
+            return report
 
         first = self.first()
         report, loop_s = call(loop_cpu(work), 2 * timeout_s + 30)

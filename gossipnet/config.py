@@ -148,10 +148,11 @@ class Config:
             Sent only while loss is being seen (by us or, from their END markers and
             heartbeats, our peers), so a clean network pays nothing; ``parity_always``
             sends it in every round.  ``None`` (the default): ``OPTIMIZER_PARITY_GROUP``
-            (4) in the lossy optimizer's rounds, where what is lost costs model
-            quality (10% loss, 10 seeds: 1.015x the lossless perplexity without,
-            1.002-1.004x with, ``bench/quality.py --seeds 10 --plans 0.1 0.1p0``),
-            and none in ``net.all_reduce``, whose caller gets the unbiased estimate
+            (4) in the lossy optimizer's rounds and ``net.all_reduce(..., step=opt)``'s,
+            where what is lost costs model quality (10% loss, 10 seeds: 1.015x the
+            lossless perplexity without, 1.002-1.004x with, ``bench/quality.py
+            --seeds 10 --plans 0.1 0.1p0``), and none in a plain ``net.all_reduce``,
+            whose caller gets the unbiased estimate
             with its report and pays for parity only by choice (on 2 cores at 25M
             elements it costs a fifth more time while loss lasts,
             ``bench/allreduce.py --parity 4``).
@@ -301,7 +302,8 @@ class Config:
 
     def parity_for(self, *, optimizer: bool) -> int:
         """The parity group of a round: ``parity_group`` where set, else
-        ``OPTIMIZER_PARITY_GROUP`` for the lossy optimizer's rounds and 0 elsewhere."""
+        ``OPTIMIZER_PARITY_GROUP`` for a training step's rounds (the lossy optimizer's,
+        ``all_reduce(..., step=opt)``'s, the torch backend's) and 0 elsewhere."""
         if self.parity_group is not None:
             return self.parity_group
         return OPTIMIZER_PARITY_GROUP if optimizer else 0

@@ -217,7 +217,12 @@ class Peer:
                 and Adam or AdamW it takes the catch-up step (each value as the
                 rounds it stands for; ``report.extra["catch_up"]`` is 1), which
                 plain ``opt.step()`` after the call cannot (see README, "Gradient
-                compression"); otherwise it is ``step.step()``.  Before the first such
+                compression"), inside the optimizer's own step bookkeeping (its step
+                hooks run, and LR schedulers see the step); otherwise it is
+                ``step.step()``.  The round is then a training step's, with the lossy
+                optimizer's loss rule: XOR parity while loss is seen
+                (``Config.parity_for(optimizer=True)``; compressed rounds send
+                ``Config.compressed_copies`` instead).  Before the first such
                 call's round and after every ``Config.resync_every_steps`` calls, a round
                 averages ``step``'s parameters with repair, so the replicas that lost
                 chunks let drift apart are identical again (``extra["resync"]`` is 1,
@@ -260,7 +265,10 @@ class Peer:
                 session.track_applied()
         resyncs = self._step_resync  # replicas made identical (gossipnet/_step_resync.py)
         resync = self._resync_step(step, t) if step is not None and resyncs.first() else None
-        work = functools.partial(self._all_reduce, staged.cpu, weight, t, session, robust)
+        # a training step's gradients: the optimizer's loss rule (XOR parity while loss
+        # is seen; a compressed round sends copies instead, Config.compressed_copies)
+        parity = self.config.parity_for(optimizer=step is not None)
+        work = functools.partial(self._all_reduce, staged.cpu, weight, t, session, robust, parity)
         report, loop_s = self._call(loop_cpu(work), t + 30)
         staged.write_back(tensors)
         if step is not None:
@@ -337,8 +345,15 @@ class Peer:
         timeout_s: float,
         session: CompressSession | None = None,
         robust: CenteredClip | None = None,
+        parity_group: int | None = None,
     ) -> CollectiveReport:
-        opts = RoundOptions(weight=weight, timeout_s=timeout_s, compress=session, robust=robust)
+        opts = RoundOptions(
+            weight=weight,
+            timeout_s=timeout_s,
+            compress=session,
+            robust=robust,
+            parity_group=parity_group,
+        )
         return await self._engine().run(buckets, opts)
 
     def resync(self, opt: torch.optim.Optimizer, timeout: float | None = None) -> CollectiveReport:
@@ -361,7 +376,7 @@ class Peer:
         return self._resync_step(opt, t)
 
     def _resync_step(self, opt: torch.optim.Optimizer, timeout_s: float) -> CollectiveReport:
-        return self._step_resync.run(opt, self._engine(), self._call, timeout_s)
+        return self._step_resync.run(opt, self._engine(), self._call, timeout_s, self._replicas)
 
     def _compress_session(
         self, spec: Compression, buckets: Sequence[torch.Tensor]
@@ -496,14 +511,15 @@ class Peer:
     def replicas_agree(self, timeout: float | None = None) -> ReplicaCheck:
         """Whether every alive peer's replica is the same as ours at the last resync.
 
-        The optimizer (``net.optimizer``) hashes its parameters after every resync
-        and announces the digest in its heartbeats; this compares the alive peers'
-        digests for our latest resync, waiting up to ``timeout`` seconds (default:
-        two heartbeat intervals and a half) for those not heard yet.  A peer that
-        the others outvote repairs itself at its next step (the report's
-        ``extra["replica_repaired"]``).  For a check at the end of training, call
-        ``opt.resync()`` first: between resyncs replicas differ by design where
-        broadcasts were lost.
+        Every resync (``net.optimizer``'s, and ``net.resync(opt)`` or a scheduled
+        resync of ``all_reduce(..., step=opt)``) hashes the parameters and announces
+        the digest in heartbeats; this compares the digests for our latest resync of
+        the peers heard taking part in it, waiting up to ``timeout`` seconds
+        (default: two heartbeat intervals and a half) for those not heard yet.  With
+        ``net.optimizer`` a peer that the others outvote repairs itself at its next
+        step (the report's ``extra["replica_repaired"]``).  For a check at the end of
+        training, call ``opt.resync()`` (or ``net.resync(opt)``) first: between
+        resyncs replicas differ by design where broadcasts were lost.
 
         Returns:
             A :class:`gossipnet.ReplicaCheck`, truthy when all agree; ``disagree``
@@ -517,9 +533,9 @@ class Peer:
         check = self._call(self._await_digests(t), t + 30)
         if check.round_id is None:
             raise ConfigError(
-                "replicas_agree() compares the parameter digests that net.optimizer"
-                " announces after each resync, and none has run here yet: call"
-                " opt.resync() (or train past step 0) first"
+                "replicas_agree() compares the parameter digests announced after each"
+                " resync, and none has run here yet: call opt.resync() (net.optimizer)"
+                " or net.resync(opt) (all_reduce(..., step=opt)) first"
             )
         return check
 

@@ -26,7 +26,13 @@ class CollectiveReport:
         participants: peers this peer expected in the round (sorted).
         contributors: peers from which at least one packet of the round arrived
             (this peer included).
-        missing: participants that sent nothing that arrived (dead, cut, or all lost).
+        missing: participants that had data to send this peer in the round and sent
+            nothing that arrived (dead, cut, or all lost).  In an all-reduce every
+            other participant owes its contributions to a peer that owns a chunk, and
+            each chunk's owner its broadcast to everyone; a participant that owns no
+            chunk owes nothing to another that owns none, so with fewer chunks than
+            participants it is never missing there (the owners name it if it was
+            absent, and their averages lack its contribution).
         packets_sent / packets_received / packets_lost: data packets of this round;
             ``packets_lost`` counts expected packets that never arrived.
         chunks_total: chunks of the flat buffer in the round.
@@ -73,5 +79,5 @@ class CollectiveReport:
 
     @property
     def ok(self) -> bool:
-        """True when nothing was lost and every participant contributed."""
+        """True when nothing was lost and no participant is :attr:`missing`."""
         return not self.missing and self.packets_lost == 0 and self.chunks_stale == 0

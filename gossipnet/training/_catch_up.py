@@ -33,6 +33,7 @@ import torch
 from gossipnet.collectives.compress import CompressSession
 from gossipnet.collectives.compress.staleness import STALE
 from gossipnet.runtime.flatbuffer import FlatBuffer
+from gossipnet.training._stepping import as_optimizer_step
 
 __all__ = ("catch_up_step", "selection_weights", "step_all_reduced", "supports")
 
@@ -123,6 +124,18 @@ def step_all_reduced(
     if session is None or ages is None or not supports(opt):
         opt.step()
         return False
+    as_optimizer_step(opt, lambda: _catch_up_all(opt, grads, flat, session, ages))
+    return True
+
+
+def _catch_up_all(
+    opt: torch.optim.Optimizer,
+    grads: Sequence[torch.Tensor],
+    flat: FlatBuffer,
+    session: CompressSession,
+    ages: list[torch.Tensor],
+) -> None:
+    """The catch-up step of every parameter of ``opt`` (see :func:`step_all_reduced`)."""
     # a chunk whose broadcast was lost holds our own gradient: one round's, dense
     ages = [torch.where(a == STALE, 1.0, a) for a in ages]
     by_grad = {id(g): a for g, a in zip(grads, flat.split(ages), strict=True)}
@@ -142,4 +155,3 @@ def step_all_reduced(
                 w.copy_(sel)
     for b, w in enumerate(weights):
         session.selection_weights(b, 0, w, everywhere=True)
-    return True

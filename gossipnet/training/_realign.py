@@ -38,7 +38,12 @@ from typing import Any, Protocol
 
 import torch
 
-from gossipnet.collectives.lossy.round_id import Alignment, step_of_round
+from gossipnet.collectives.lossy.round_id import (
+    EXPLICIT_RESYNC,
+    Alignment,
+    optimizer_round,
+    step_of_round,
+)
 from gossipnet.collectives.statesync.manifest import DIGEST_BYTES
 from gossipnet.collectives.statesync.snapshot import chunk_digest
 from gossipnet.collectives.statesync.sync import Manifests, Snapshot, TransferReport
@@ -47,7 +52,7 @@ from gossipnet.training import _snapshot
 from gossipnet.training._evidence import LIVE, Claim, ParticipantLog, vouched, vouched_chunks
 from gossipnet.training._evidence import quorum as quorum_of
 from gossipnet.training.host import TrainingHost
-from gossipnet.training.replicas import ReplicaCheck
+from gossipnet.training.replicas import ReplicaCheck, digest
 
 __all__ = ("Realigner", "Replica")
 
@@ -100,6 +105,10 @@ class Realigner:
         self._serving = False
         self._fallback: frozenset[str] = frozenset()  # see ParticipantLog.verified
         self._hint = 0  # a live target learned from claims that came in too far along
+        #: (step, next round, report): the position last taken was the others' right
+        #: after their resync at that step, which needs no round of ours while we stand
+        #: there (see :meth:`_after_their_resync`); None otherwise
+        self.resynced: tuple[int, int, CollectiveReport] | None = None
         host.node.drop_counters["realign"] = self.rejected  # in node.stats()
 
     # ------------------------------------------------------------------ evidence
@@ -243,6 +252,16 @@ class Realigner:
             enough=lambda got: _position(got, n, layout, size)[0] is not None,
         )  # fmt: skip
         got = self.host.call(coro, self.sync_timeout_s + 30)
+        if not got and self._hint <= at:
+            # nobody reached the target: the donors stopped short of it (training over,
+            # or paused between runs of steps), so ask for where they stand; donors
+            # that stopped at one step publish one state there, and a quorum can vouch
+            coro = sync.manifests(
+                sorted(voters), [(LIVE, at)],
+                timeout_s=self.sync_timeout_s, max_bytes=size,
+                enough=lambda got: _position(got, n, layout, size)[0] is not None,
+            )  # fmt: skip
+            got = self.host.call(coro, self.sync_timeout_s + 30)
         claim, holders = _position(got, n, layout, size)
         if claim is None:
             self._unvouched(got, voters, n, why, report)
@@ -272,7 +291,50 @@ class Realigner:
         report.extra["chunks_adopted"] = float(len(parts))
         report.extra["chunks_kept"] = float(total - len(vouch) + len(wanted) - len(parts))
         self._adopted(claim, rep, n, len(holders), (len(vouch), total), why, report)
+        self._after_their_resync(claim, [p for p, _ in holders], buckets)
         return True
+
+    def _after_their_resync(
+        self, claim: Claim, holders: list[str], buckets: list[torch.Tensor]
+    ) -> None:
+        """Take over the resync a taken position already ran, if it ran one.
+
+        A position whose next round is past its step's first resync slot holds the
+        donors' parameters after their resync at that step (the last round they ran,
+        ``next_round - 1``): typically the end of training, where they ran the final
+        ``opt.resync()`` before we came back.  Our own resync at that step would run a
+        round no one else runs (theirs is over) and announce a digest no one else
+        announces, so every verdict would be ours alone.  Instead the parameters just
+        taken are that resync's result: their digest is announced for that round, with
+        the holders as its voters (``net.replicas_agree()`` then compares them with
+        theirs), and :attr:`resynced` lets the strategy's next resync at this step
+        return at once while we stand there (no step, no round since).
+        """
+        self.resynced = None
+        first = claim.round_base + optimizer_round(claim.step, EXPLICIT_RESYNC)
+        replicas = self.host.replicas
+        if claim.next_round <= first or replicas is None:
+            return
+        rid = claim.next_round - 1
+        value = digest(buckets)
+        me = self.host.peer_id
+
+        async def on_loop() -> None:
+            replicas.publish(rid, value, holders)
+
+        self.host.call(on_loop())
+        self.digest_rid = rid  # acted on after our next step, as any resync's verdict
+        self.resynced = (
+            claim.step,
+            claim.next_round,
+            CollectiveReport(
+                round=rid,
+                method="resync",
+                participants=tuple(sorted({me, *holders})),
+                contributors=tuple(sorted({me, *holders})),
+                extra={"realigned": 1.0},
+            ),
+        )
 
     def _adopted(
         self,

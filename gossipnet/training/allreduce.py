@@ -67,6 +67,7 @@ from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._realign import Realigner
 from gossipnet.training._residual import Residual
 from gossipnet.training._shards import ShardedOptimizer
+from gossipnet.training._stepping import as_optimizer_step
 from gossipnet.training.host import TrainingHost
 from gossipnet.training.options import AllReduceOptions
 from gossipnet.training.replicas import ReplicaCheck, digest
@@ -171,6 +172,16 @@ class AllReduceStrategy:
         Non-finite gradients are sent as zeros with weight 0.
         """
         self._settle_base()
+        # the base's step as its step hooks and LR schedulers see it (it never steps
+        # itself): pre-hooks before the gradients are read, post-hooks once the new
+        # parameters are in place, before any realignment replaces them
+        report = as_optimizer_step(self.base, lambda: self._step(closure, weight))
+        self.realign.after_step(report, self._last_align)
+        self.last_report = report
+        return report
+
+    def _step(self, closure: Callable[[], Any] | None, weight: float | None) -> CollectiveReport:
+        """The step itself: gradients out, this step's rounds, parameters back."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -203,8 +214,6 @@ class AllReduceStrategy:
         stamp_cpu(report, loop_s, time.thread_time() - cpu0)
         if mb is not None:
             report.extra.update(mb.as_extra())
-        self.realign.after_step(report, self._last_align)
-        self.last_report = report
         return report
 
     def _gradients(self) -> list[torch.Tensor]:
@@ -229,6 +238,9 @@ class AllReduceStrategy:
     def resync(self) -> CollectiveReport:
         """Average parameters now and repair every lost chunk (replicas become equal)."""
         self._settle_base()
+        held = self.realign.resynced
+        if held is not None and held[:2] == (self.step_count, self._engine().next_round):
+            return held[2]  # we took the others' parameters after this step's resync
         rid = max(self._rid(self.step_count, EXPLICIT_RESYNC), self._engine().next_round)
         if rid >= self._rid(self.step_count, GRADIENTS) and self.last_resync is not None:
             return self.last_resync  # two resyncs already since the last step: nothing changed

@@ -185,6 +185,23 @@ def test_barrier_holds_until_the_last_rank_and_wait_times_out(
 
 
 @pytest.mark.timeout(60)
+def test_a_lossless_round_is_ok_on_every_rank(groups: list[ProcessGroupGossipnet]) -> None:
+    """A 16 KiB all-reduce is one chunk, owned by rank 0: ranks 1 and 2 owe each other
+    nothing, so neither names the other missing (before, every such round read
+    ``ok: False`` on both and counted in ``rounds_missing_peers``)."""
+    before = [pg.totals["rounds_missing_peers"] for pg in groups]
+    for _ in range(3):
+        on_all(groups, _allreduce(dist.ReduceOp.AVG, lambda r: torch.full((4096,), r + 1.0)))
+        for pg in groups:
+            report = last_report(pg)
+            assert report is not None
+            assert report.chunks_total == 1  # the case: fewer chunks than ranks
+            assert report.missing == (), report
+            assert report.ok, report
+    assert [pg.totals["rounds_missing_peers"] for pg in groups] == before
+
+
+@pytest.mark.timeout(60)
 def test_unsupported_calls_and_ops_are_named(groups: list[ProcessGroupGossipnet]) -> None:
     pg = groups[0]
     with pytest.raises(UnsupportedError, match="all_to_all is not supported"):
@@ -215,7 +232,9 @@ def test_survivors_go_on_when_a_rank_dies() -> None:
             if step == 3:  # the dead rank is known by now: 3 x mean(1, 2)
                 for g in got:
                     torch.testing.assert_close(g, torch.full((2048,), 4.5))
-        assert all(pg.totals["rounds_missing_peers"] >= 1 for pg in survivors)
+        # rank 0 owns the one chunk, so it was owed the dead rank's contributions and
+        # names it; rank 1 owns nothing and was owed nothing by it
+        assert survivors[0].totals["rounds_missing_peers"] >= 1
         on_all(survivors, lambda pg, _r: pg.barrier().wait())  # the dead rank is excused
     finally:
         for pg in made[:2]:

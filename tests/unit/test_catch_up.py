@@ -16,6 +16,7 @@ from gossipnet.collectives.compress.staleness import MAX_AGE, STALE, Staleness
 from gossipnet.collectives.compress.topk import block_mean
 from gossipnet.runtime.flatbuffer import FlatBuffer
 from gossipnet.training._catch_up import catch_up_step, supports
+from gossipnet.training._stepping import as_optimizer_step
 
 
 @pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW])
@@ -139,3 +140,26 @@ def test_block_mean_and_flat_split() -> None:
     assert views[1].tolist() == [6, 7, 8, 9]
     with pytest.raises(ValueError, match="lengths"):
         flat.split([torch.zeros(3)])
+
+
+def test_a_step_in_place_of_opt_step_keeps_its_bookkeeping() -> None:
+    """``as_optimizer_step`` runs the pre-hooks, the update, then the post-hooks, in
+    order, with ``opt.step()``'s arguments, and leaves the marks torch's LR schedulers
+    read: ``_opt_called`` and, under the older counting wrapper, ``_step_count``."""
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([w], lr=0.1)
+    seen: list[str] = []
+    opt.register_step_pre_hook(lambda o, args, kw: seen.append(f"pre {args[0] is o} {kw}"))
+    opt.register_step_post_hook(lambda o, args, kw: seen.append(f"post {args[0] is o}"))
+    step = opt.step
+
+    def counting(*args: object, **kwargs: object) -> object:  # torch < 2.2's scheduler wrapper
+        return step(*args, **kwargs)
+
+    counting._with_counter = True  # type: ignore[attr-defined]
+    opt.step = counting  # type: ignore[method-assign]
+    opt._step_count = 0  # type: ignore[attr-defined]
+    as_optimizer_step(opt, lambda: seen.append("update"))
+    assert seen == ["pre True {}", "update", "post True"]
+    assert opt._opt_called  # type: ignore[attr-defined]
+    assert opt._step_count == 1  # type: ignore[attr-defined]

@@ -287,3 +287,41 @@ def test_a_replacement_optimizer_trains_on_and_stepping_two_in_turn_is_refused()
     for step in range(3):
         assert torch.equal(out[0][1][step], out[1][1][step])
         assert torch.equal(out[0][1][step], out[2][1][step])
+
+
+@pytest.mark.timeout(60)
+def test_the_sharded_step_is_the_base_optimizers_step_for_hooks_and_schedulers() -> None:
+    """The all-reduce strategy never calls ``base.step()`` (each peer steps its shard);
+    its step still runs as ``base``'s: a post-hook on ``base`` sees every step, after
+    the new parameters are in place, and an LR scheduler on ``base`` does not warn
+    that it ran before ``optimizer.step()`` (pytest turns warnings into errors)."""
+
+    def body(rank: int, peer: gossipnet.Peer) -> tuple[int, list[bool], list[float]]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 2)
+        base = torch.optim.Adam(model.parameters(), lr=0.1)
+        opt = peer.optimizer(base)
+        sched = torch.optim.lr_scheduler.LambdaLR(base, lambda s: 0.5**s)
+        hooked, moved = [0], []
+        before = [flat_params(model)]
+
+        def post(*_: Any) -> None:
+            hooked[0] += 1
+            moved.append(not torch.equal(flat_params(model), before[0]))
+
+        base.register_step_post_hook(post)
+        gen = torch.Generator().manual_seed(rank)
+        lrs = []
+        for _ in range(3):
+            before[0] = flat_params(model)
+            opt.zero_grad()
+            model(torch.randn(4, 8, generator=gen)).square().sum().backward()
+            opt.step()
+            lrs.append(base.param_groups[0]["lr"])
+            sched.step()
+        return hooked[0], moved, lrs
+
+    for hooked, moved, lrs in run_peers(3, body):
+        assert hooked == 3
+        assert moved == [True, True, True]
+        assert lrs == pytest.approx([0.1, 0.05, 0.025])

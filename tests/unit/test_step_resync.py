@@ -165,3 +165,90 @@ def test_an_explicit_resync_ends_training_with_one_model() -> None:
     assert bool((after >= before.min(0).values - 1e-6).all())
     assert bool((after <= before.max(0).values + 1e-6).all())
     assert all(not torch.equal(after, o[0]) for o in out)
+
+
+@pytest.mark.timeout(90)
+def test_replicas_agree_after_an_explicit_resync() -> None:
+    """``net.replicas_agree()`` on the ``step=`` path: after ``net.resync(opt)`` every
+    peer compares the resync's digests and finds every replica the same (before, it
+    raised ``ConfigError`` asking for ``opt.resync()``, which a torch optimizer lacks)."""
+
+    def body(rank: int, net: gossipnet.Peer) -> tuple[Any, str]:
+        w = torch.nn.Parameter(torch.zeros(SIZE))
+        opt = torch.optim.SGD([w], lr=0.1)
+        for step in range(4):
+            w.grad = _grad(rank, step)
+            net.all_reduce([w.grad], step=opt)
+        rep = net.resync(opt)
+        check = net.replicas_agree(timeout=10.0)
+        return check, str(rep.round)
+
+    faults = gossipnet.FaultPlan(loss=0.2, seed=3)
+    out = run_peers(
+        3, body, timeout_s=90, faults=faults, collective_timeout_s=5.0,
+        resync_every_steps=0, **FAST,
+    )  # fmt: skip
+    for check, rid in out:
+        assert check, check
+        assert check.missing == ()
+        assert check.disagree == ()
+        assert str(check.round_id) == rid  # the digest of that very resync
+        assert sorted(check.digests) == ["p0", "p1", "p2"]
+    assert len({check.majority for check, _ in out}) == 1
+
+
+@pytest.mark.timeout(90)
+def test_the_catch_up_step_is_the_optimizers_step_for_hooks_and_schedulers() -> None:
+    """ArcTopK with Adam takes the catch-up step instead of ``opt.step()``; it runs as
+    the optimizer's step: its post-hooks see every call, and an LR scheduler stepped
+    after each call does not warn that it ran before ``optimizer.step()`` (pytest
+    turns warnings into errors) and moves the learning rate as planned."""
+
+    def body(rank: int, net: gossipnet.Peer) -> tuple[list[float], int, list[float]]:
+        w = torch.nn.Parameter(torch.zeros(SIZE))
+        opt = torch.optim.Adam([w], lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+        hooked = [0]
+        opt.register_step_post_hook(lambda *_: hooked.__setitem__(0, hooked[0] + 1))
+        lrs, caught = [], []
+        for step in range(3):
+            w.grad = _grad(rank, step)
+            rep = net.all_reduce([w.grad], compress=gossipnet.ArcTopK(density=0.2), step=opt)
+            caught.append(rep.extra["catch_up"])
+            lrs.append(opt.param_groups[0]["lr"])  # the lr this step used
+            sched.step()
+        return lrs, hooked[0], caught
+
+    out = run_peers(3, body, timeout_s=90, collective_timeout_s=5.0, **FAST)
+    for lrs, hooked, caught in out:
+        assert caught == [1.0, 1.0, 1.0]  # the catch-up step ran, not opt.step()
+        assert hooked == 3
+        assert lrs == pytest.approx([0.1, 0.05, 0.025])
+
+
+@pytest.mark.timeout(90)
+def test_step_rounds_send_parity_while_loss_is_seen() -> None:
+    """At 20% loss a dense ``all_reduce(grads, step=opt)`` round is a training step's:
+    XOR parity as in ``net.optimizer`` (``Config.parity_for(optimizer=True)``); a
+    plain ``all_reduce`` of the same tensors keeps the default of none."""
+
+    def body(rank: int, net: gossipnet.Peer) -> tuple[float, float, float]:
+        w = torch.nn.Parameter(torch.zeros(SIZE))
+        opt = torch.optim.SGD([w], lr=0.1)
+        stepped = plain = recovered = 0.0
+        for step in range(4):
+            w.grad = _grad(rank, step)
+            rep = net.all_reduce([w.grad], step=opt)
+            stepped += rep.extra["parity_sent"]
+            recovered += rep.extra["recovered"]
+            plain += net.all_reduce([_grad(rank, 100 + step)]).extra["parity_sent"]
+        return stepped, recovered, plain
+
+    faults = gossipnet.FaultPlan(loss=0.2, seed=5)
+    out = run_peers(
+        3, body, timeout_s=90, faults=faults, collective_timeout_s=5.0,
+        resync_every_steps=0, **FAST,
+    )  # fmt: skip
+    assert all(stepped > 0 for stepped, _, _ in out), out
+    assert sum(recovered for _, recovered, _ in out) > 0, out  # and it rebuilt some
+    assert all(plain == 0 for _, _, plain in out), out

@@ -292,8 +292,21 @@ class Round:
             self._ag_expect[peer] = n
         return n
 
+    def owes_us(self, peer: str) -> bool:
+        """Whether ``peer`` has data to send us this round if it shares our view: every
+        other participant when we own a chunk (its contributions), else only the
+        owners of chunks (their broadcasts).  Fixed by the round's maps, so a peer
+        cut mid-round still owes what it never sent."""
+        return bool(self.expect_rs) or self.ag_expected(peer) > 0
+
     def report(self, elapsed: float, timed_out: bool) -> CollectiveReport:
-        """The round's :class:`CollectiveReport`: who contributed, sent, received, lost."""
+        """The round's :class:`CollectiveReport`: who contributed, sent, received, lost.
+
+        ``missing`` names the participants that owed us data (:meth:`owes_us`) and
+        sent nothing that arrived; one with nothing to send us (with fewer chunks
+        than participants, a peer owning none, seen from another owning none) is not
+        missing here: the owners it owed name it if it was absent.
+        """
         rnd = self
         expected = 0
         received = 0
@@ -317,7 +330,9 @@ class Round:
             method="allreduce",
             participants=rnd.participants,
             contributors=tuple(sorted(contributors)),
-            missing=tuple(sorted(set(rnd.participants) - contributors)),
+            missing=tuple(
+                sorted(p for p in rnd.participants if p not in contributors and rnd.owes_us(p))
+            ),
             packets_sent=rnd.sent,
             packets_received=received,
             packets_lost=lost,
