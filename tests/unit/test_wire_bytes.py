@@ -221,8 +221,11 @@ def test_a_step_call_reports_its_round_and_its_resync() -> None:
         assert "resync" not in second
         assert first["resync_bytes"] > 0
         assert "resync_bytes" not in second
-        assert first["bytes_sent"] == wire0 == engine0
+        assert first["bytes_sent"] == engine0
         assert second["bytes_sent"] == wire1 == engine1
+        # besides the rounds, a resync announces this peer's replica digest to the
+        # others (a packet each, the replica check's, not the collective's)
+        assert 0 <= wire0 - engine0 <= 3 * 256
         # the dense resync is on both sides of the first call's ratio
         assert first["bytes_sent"] > first["resync_bytes"] + second["bytes_sent"] / 2
         assert first["compression_ratio"] < second["compression_ratio"]

@@ -33,14 +33,24 @@ the frame lengths the call already holds: no work per destination.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 from gossipnet.reports import CollectiveReport
 from gossipnet.transport.base import Buffer
 
-if TYPE_CHECKING:
-    from gossipnet.collectives.lossy.round import Round
+
+class Round(Protocol):
+    """What the meter reads and writes of a round (:class:`.round.Round` has it):
+    a protocol, so that the round, the packets and the parity modules may count
+    through this module without an import circle."""
+
+    me: str
+    participants: Any
+    src: Any
+    wire: ByteMeter
+    wire_total: ByteMeter
+    data_overhead: dict[str, int]
 
 __all__ = (
     "ByteMeter",
@@ -127,6 +137,13 @@ def count_sent_run(
     rnd.wire_total.data += nbytes
 
 
+def group_count(nchunks: int, k: int) -> int:
+    """Groups of ``k`` to ``2k - 1`` chunks that ``nchunks`` chunks are cut into
+    (0 when fewer than ``k``: such a stream sends no parity).  Here, below the parity
+    module, because a dense round's bytes count its parity."""
+    return nchunks // k
+
+
 def dense_bytes(rnd: Round, chunk_bytes: Sequence[int], redundancy: int, fec_k: int) -> int:
     """What a dense round of ``rnd``'s settings sends from this peer (module doc).
 
@@ -134,8 +151,6 @@ def dense_bytes(rnd: Round, chunk_bytes: Sequence[int], redundancy: int, fec_k: 
     without a codec); ``redundancy`` and ``fec_k``: its copies and parity group (a
     compressed round replaces them with ``compressed_copies`` and no parity).
     """
-    from gossipnet.collectives.lossy.parity import group_count  # parity counts with us
-
     parts, me = rnd.participants, rnd.me
     others = len(parts) - 1
     if others < 1:
