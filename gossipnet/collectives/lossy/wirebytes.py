@@ -33,14 +33,14 @@ the frame lengths the call already holds: no work per destination.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 from gossipnet.reports import CollectiveReport
 from gossipnet.transport.base import Buffer
 
 if TYPE_CHECKING:
-    from gossipnet.collectives.lossy.round import Round
+    import torch
 
 __all__ = (
     "ByteMeter",
@@ -67,6 +67,17 @@ class ByteMeter:
         return self.data + self.control
 
 
+class Metered(Protocol):
+    """What the counting needs of a round (:class:`.round.Round` has it)."""
+
+    wire: ByteMeter  # the round's own bytes
+    wire_total: ByteMeter  # its engine's running total, counted alike
+    data_overhead: dict[str, int]  # per phase: one data packet's header and MAC bytes
+    participants: tuple[str, ...]
+    me: str
+    src: list[torch.Tensor]
+
+
 def packet_bytes(frames: Sequence[Buffer]) -> int:
     """One packet's frame lengths, as the transports count them (``sent_bytes``).
 
@@ -80,7 +91,7 @@ def packet_bytes(frames: Sequence[Buffer]) -> int:
 
 
 def count_sent(
-    rnd: Round,
+    rnd: Metered,
     frames: Sequence[Buffer],
     accepted: int,
     *,
@@ -108,7 +119,7 @@ def count_sent(
 
 
 def count_sent_run(
-    rnd: Round, packets: Sequence[Sequence[Buffer]], accepted: int, dests: int, phase: str = ""
+    rnd: Metered, packets: Sequence[Sequence[Buffer]], accepted: int, dests: int, phase: str = ""
 ) -> None:
     """``accepted`` of a run of data ``packets``, each sent to ``dests`` destinations."""
     if not packets:
@@ -127,15 +138,13 @@ def count_sent_run(
     rnd.wire_total.data += nbytes
 
 
-def dense_bytes(rnd: Round, chunk_bytes: Sequence[int], redundancy: int, fec_k: int) -> int:
+def dense_bytes(rnd: Metered, chunk_bytes: Sequence[int], redundancy: int, fec_k: int) -> int:
     """What a dense round of ``rnd``'s settings sends from this peer (module doc).
 
     ``chunk_bytes``: the dense round's chunk size per bucket (``packets.chunk_sizes``
     without a codec); ``redundancy`` and ``fec_k``: its copies and parity group (a
     compressed round replaces them with ``compressed_copies`` and no parity).
     """
-    from gossipnet.collectives.lossy.parity import group_count  # parity counts with us
-
     parts, me = rnd.participants, rnd.me
     others = len(parts) - 1
     if others < 1:
@@ -151,7 +160,8 @@ def dense_bytes(rnd: Round, chunk_bytes: Sequence[int], redundancy: int, fec_k: 
         for p in parts:
             chunks = smap.chunks_of(p)
             nbytes = len(smap.owned_range(p)) * plan.itemsize
-            parity = group_count(len(chunks), fec_k) if fec_k else 0
+            # parity.group_count: floor(n / k) groups, one parity packet (a chunk wide) each
+            parity = len(chunks) // fec_k if fec_k else 0
             if p == me:  # our shard's broadcast, to every other participant
                 ag_packets += len(chunks) + parity
                 ag_bytes += nbytes + parity * width
