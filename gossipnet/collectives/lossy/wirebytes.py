@@ -26,8 +26,10 @@ destinations, and this round's control packets (ENDs, repair requests) as they
 were.  ``compression_ratio`` is ``bytes_dense / bytes_sent``: copies and
 everything else a compressed round sends lower it.
 
-Counting is per send call (a run, or one packet to all its destinations), from
-the frame lengths the call already holds: no work per destination.
+Counting happens per send call (a run to one owner, or one packet to all its
+destinations), from the frames the call already holds: the frame lengths summed
+once per packet, never per destination or per copy; ``bytes_dense`` is a few
+integer sums per bucket and participant at the end of the round.
 """
 
 from __future__ import annotations
