@@ -251,9 +251,10 @@ def announce_ag_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
         "l": int(ctx.loss.recent),
     }
     frames = node.encode_for(others, ctx.k.ag_end, end)
+    sent = 0
     for _ in range(copies):
-        n = node.send_frames(others, frames, group_bytes=rnd.group_bytes)
-        count_sent(rnd, frames, n, control=True)
+        sent += node.send_frames(others, frames, group_bytes=rnd.group_bytes)
+    count_sent(rnd, frames, sent, control=True)
 
 
 def on_ag(ctx: PhaseContext, rnd: Round, pkt: Packet) -> None:

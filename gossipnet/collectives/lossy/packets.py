@@ -95,11 +95,12 @@ def send_copy(node: Node, rnd: Round, send: Send) -> None:
     numbers): whichever arrives first counts, the replay window drops the rest.
     """
     peers, frames = send
+    sent = 0
     for _ in range(rnd.redundancy - 1):
-        n = node.send_frames(peers, frames, group_bytes=rnd.group_bytes)
-        rnd.sent += n
-        rnd.copies_sent += n
-        count_sent(rnd, frames, n)
+        sent += node.send_frames(peers, frames, group_bytes=rnd.group_bytes)
+    rnd.sent += sent
+    rnd.copies_sent += sent
+    count_sent(rnd, frames, sent)
 
 
 async def send_copies(node: Node, rnd: Round, sends: collections.deque[Send] | None) -> None:

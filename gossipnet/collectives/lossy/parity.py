@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from gossipnet.collectives.lossy.context import PhaseContext
     from gossipnet.collectives.lossy.round import Round
 
-from gossipnet.collectives.lossy.wirebytes import count_sent, count_sent_run, group_count
+from gossipnet.collectives.lossy.wirebytes import count_sent, count_sent_run
 
 __all__ = (
     "MAX_GROUP",
@@ -63,6 +63,12 @@ __all__ = (
 
 #: Largest group size a receiver accepts (``Config.parity_group`` is capped the same).
 MAX_GROUP = 64
+
+
+def group_count(nchunks: int, k: int) -> int:
+    """Groups of ``k`` to ``2k - 1`` chunks that ``nchunks`` chunks are cut into
+    (0 when fewer than ``k``: such a stream sends no parity)."""
+    return nchunks // k
 
 
 def members(first: int, nchunks: int, k: int, g: int) -> range:

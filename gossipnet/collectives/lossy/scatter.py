@@ -159,9 +159,10 @@ def announce_rs_end(ctx: PhaseContext, rnd: Round, copies: int = 1) -> None:
                 "l": lossy,
             }
             frames = node.encode_for((peer,), ctx.k.rs_end, end)
+            sent = 0
             for _ in range(copies):
-                n = node.send_frames((peer,), frames, group_bytes=rnd.group_bytes)
-                count_sent(rnd, frames, n, control=True)
+                sent += node.send_frames((peer,), frames, group_bytes=rnd.group_bytes)
+            count_sent(rnd, frames, sent, control=True)
 
 
 def rs_order(rnd: Round) -> list[tuple[str, int, int]]:

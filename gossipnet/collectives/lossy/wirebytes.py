@@ -26,31 +26,23 @@ destinations, and this round's control packets (ENDs, repair requests) as they
 were.  ``compression_ratio`` is ``bytes_dense / bytes_sent``: copies and
 everything else a compressed round sends lower it.
 
-Counting is per send call (a run, or one packet to all its destinations), from
-the frame lengths the call already holds: no work per destination.
+Counting happens per send call (a run to one owner, or one packet to all its
+destinations), from the frames the call already holds: the frame lengths summed
+once per packet, never per destination or per copy; ``bytes_dense`` is a few
+integer sums per bucket and participant at the end of the round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from gossipnet.collectives.chunks import ChunkPlan, ShardMap
 from gossipnet.reports import CollectiveReport
 from gossipnet.transport.base import Buffer
 
-
-class Round(Protocol):
-    """What the meter reads and writes of a round (:class:`.round.Round` has it):
-    a protocol, so that the round, the packets and the parity modules may count
-    through this module without an import circle."""
-
-    me: str
-    participants: Any
-    src: Any
-    wire: ByteMeter
-    wire_total: ByteMeter
-    data_overhead: dict[str, int]
+if TYPE_CHECKING:
+    import torch
 
 __all__ = (
     "ByteMeter",
@@ -77,6 +69,17 @@ class ByteMeter:
         return self.data + self.control
 
 
+class Metered(Protocol):
+    """What the counting needs of a round (:class:`.round.Round` has it)."""
+
+    wire: ByteMeter  # the round's own bytes
+    wire_total: ByteMeter  # its engine's running total, counted alike
+    data_overhead: dict[str, int]  # per phase: one data packet's header and MAC bytes
+    participants: tuple[str, ...]
+    me: str
+    src: list[torch.Tensor]
+
+
 def packet_bytes(frames: Sequence[Buffer]) -> int:
     """One packet's frame lengths, as the transports count them (``sent_bytes``).
 
@@ -90,7 +93,7 @@ def packet_bytes(frames: Sequence[Buffer]) -> int:
 
 
 def count_sent(
-    rnd: Round,
+    rnd: Metered,
     frames: Sequence[Buffer],
     accepted: int,
     *,
@@ -118,7 +121,7 @@ def count_sent(
 
 
 def count_sent_run(
-    rnd: Round, packets: Sequence[Sequence[Buffer]], accepted: int, dests: int, phase: str = ""
+    rnd: Metered, packets: Sequence[Sequence[Buffer]], accepted: int, dests: int, phase: str = ""
 ) -> None:
     """``accepted`` of a run of data ``packets``, each sent to ``dests`` destinations."""
     if not packets:
@@ -137,14 +140,7 @@ def count_sent_run(
     rnd.wire_total.data += nbytes
 
 
-def group_count(nchunks: int, k: int) -> int:
-    """Groups of ``k`` to ``2k - 1`` chunks that ``nchunks`` chunks are cut into
-    (0 when fewer than ``k``: such a stream sends no parity).  Here, below the parity
-    module, because a dense round's bytes count its parity."""
-    return nchunks // k
-
-
-def dense_bytes(rnd: Round, chunk_bytes: Sequence[int], redundancy: int, fec_k: int) -> int:
+def dense_bytes(rnd: Metered, chunk_bytes: Sequence[int], redundancy: int, fec_k: int) -> int:
     """What a dense round of ``rnd``'s settings sends from this peer (module doc).
 
     ``chunk_bytes``: the dense round's chunk size per bucket (``packets.chunk_sizes``
@@ -166,7 +162,8 @@ def dense_bytes(rnd: Round, chunk_bytes: Sequence[int], redundancy: int, fec_k: 
         for p in parts:
             chunks = smap.chunks_of(p)
             nbytes = len(smap.owned_range(p)) * plan.itemsize
-            parity = group_count(len(chunks), fec_k) if fec_k else 0
+            # parity.group_count: floor(n / k) groups, one parity packet (a chunk wide) each
+            parity = len(chunks) // fec_k if fec_k else 0
             if p == me:  # our shard's broadcast, to every other participant
                 ag_packets += len(chunks) + parity
                 ag_bytes += nbytes + parity * width
