@@ -271,7 +271,7 @@ def test_a_participant_serving_other_parameters_is_outvoted_chunk_by_chunk(
     assert all(torch.equal(out[0]["params"], r["params"]) for r in out[1:])
 
 
-@pytest.mark.parametrize("how", ["long", "short", "nan"])
+@pytest.mark.parametrize("how", ["long", "nan"])  # a short state meets the same size test
 def test_bad_state_from_every_donor_is_counted_and_training_goes_on(
     monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:

@@ -78,7 +78,7 @@ def _train(
     return {"params": params, "check": check, "steps": opt.step_count, "realigned": realigned}
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0])  # 18 s a seed; bench/freeze.py --plan runs more
 def test_a_peer_frozen_twice_realigns_and_the_replicas_end_as_one(seed: int) -> None:
     thaws = (threading.Event(), threading.Event())
 
