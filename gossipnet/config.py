@@ -91,8 +91,7 @@ class Config:
             MiB per sending peer (32 slots of 4 MiB, pages only where written; a full
             segment sends inline).  A 25M float32 all-reduce across four local
             processes: 0.75x gloo's time against 1.08x without it; 1M: 1.01x against
-            1.30x (medians of three runs, ``bench/allreduce.py``, docs/benchmarks.md
-            "Issue 21, session 21").
+            1.30x (medians of three runs, ``bench/allreduce.py``, docs/benchmarks.md).
     Wire
         max_header_bytes: larger msgpack headers are dropped before parsing.
         max_payload_bytes: larger payloads are dropped before any copy.
@@ -165,7 +164,7 @@ class Config:
             than parity adds to a dense round, and a chunk (with the ARC-Top-K set
             announcement it carries) is then lost with about p^2 instead of p (the
             optimizer's parameter updates too).  On the demo at 10% loss 2 took ArcTopK(0.1, int8)
-            from 10.46 to 9.88 perplexity (docs/benchmarks.md, "Issue 22, session 19").
+            from 10.46 to 9.88 perplexity (docs/benchmarks.md).
             Off by default: at 1% loss (the 20 Mbit/s testbed) they cost 57% more bytes
             and 7% more time to the target for no gain; turn them on where loss is high.
         stale_step: the lossy optimizer (``strategy="allreduce"``) moves a parameter

@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import datetime
 import pickle
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,7 +49,6 @@ CALL_S = 30.0
 TD = datetime.timedelta(seconds=CALL_S)
 #: How long the slow rank computes before its first collective: long against a
 #: broadcast on loopback, short against the collective timeout.
-SLOW_S = 0.5
 
 
 @pytest.fixture(autouse=True)
@@ -287,21 +286,25 @@ def test_collectives_issued_far_ahead_of_a_slow_rank_all_arrive(
         elif kind == "gather":
             assert [int(o[0]) for o in out] == [10 * k + r for r in range(3)]
 
-    def fast(pg: ProcessGroupGossipnet) -> None:
+    ahead = [threading.Event(), threading.Event()]  # each fast rank issued everything
+
+    def fast(pg: ProcessGroupGossipnet, i: int) -> None:
         issued = [issue(pg, k) for k in range(len(plan))]
+        ahead[i].set()
         for k, (work, out) in enumerate(issued):
             work.wait(TD)
             check(k, out)
 
     def slow(pg: ProcessGroupGossipnet) -> None:
-        time.sleep(SLOW_S)  # the slow rank's compute (workload, not a wait for anything)
+        for event in ahead:  # start only once the others ran ahead of us
+            assert event.wait(CALL_S), "a fast rank did not issue its collectives"
         for k in range(len(plan)):
             work, out = issue(pg, k)
             work.wait(TD)
             check(k, out)
 
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        futs = [pool.submit(fast, trio[0]), pool.submit(fast, trio[1]), pool.submit(slow, trio[2])]
+        futs = [pool.submit(fast, trio[i], i) for i in (0, 1)] + [pool.submit(slow, trio[2])]
         for f in futs:
             f.result(timeout=CALL_S * 3)
     for pg in trio:

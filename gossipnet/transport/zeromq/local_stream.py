@@ -6,9 +6,9 @@ thread writes it, the receiver's I/O thread reads it and wakes the event
 loop, and pyzmq's garbage-collector thread wakes to release each zero-copy
 frame.  A 1M float32 all-reduce across four processes makes about eight such
 wake-ups on its critical path, on 2 cores shared by a dozen threads; after an
-idle gap each costs scheduling latency, not just CPU (docs/benchmarks.md,
-"Issue 21, session 15").  Here the loop itself calls ``sendmsg`` (the kernel
-copies the frames; nothing is queued in user space while the socket has room)
+idle gap each costs scheduling latency, not just CPU (docs/benchmarks.md).
+Here the loop itself calls ``sendmsg`` (the kernel copies the frames; nothing is
+queued in user space while the socket has room)
 and ``recv_into`` a buffer allocated for the packet, so a packet costs one
 wake-up: the receiver's loop.
 
