@@ -125,8 +125,6 @@ class Keyring:
         self._mac = mac
         self.by_id: dict[str, Session] = {}
         self.by_kid: dict[bytes, Session] = {}
-        #: bumps on every bind and unbind, so caches of sessions can tell they are stale
-        self.generation = 0
 
     def bind(self, peer_id: str, epoch: int, public: bytes, *, pinned: bool = False) -> Session:
         """Bind ``peer_id`` to ``public`` (its incarnation ``epoch``): derive the keys.
@@ -163,7 +161,6 @@ class Keyring:
         self.unbind(peer_id)
         self.by_id[peer_id] = session
         self.by_kid[kid] = session
-        self.generation += 1
         return session
 
     def unbind(self, peer_id: str) -> Session | None:
@@ -171,7 +168,6 @@ class Keyring:
         old = self.by_id.pop(peer_id, None)
         if old is not None:
             self.by_kid.pop(old.key_id, None)
-            self.generation += 1
         return old
 
     def __len__(self) -> int:

@@ -68,6 +68,15 @@ class Member:
         self.transport.send(to, self.codec.encode(kind, fields, payload, dst=dst))
 
 
+async def admitted(network: MemoryNetwork, victim: Any, clock: FakeClock, drive: Any) -> Member:
+    """Mallory started on ``network`` and introduced to ``victim`` (bound there as itself)."""
+    mallory = Member(network, "mallory", victim.config)
+    await mallory.start()
+    mallory.introduce(victim.address)
+    await drive(clock, clock.sleep(0.3))
+    return mallory
+
+
 @pytest.mark.timeout(30)
 def test_a_member_cannot_send_heartbeats_or_views_as_another_peer(
     run_async: Callable[..., Any], cluster: Any, drive: Any
@@ -81,10 +90,7 @@ def test_a_member_cannot_send_heartbeats_or_views_as_another_peer(
         clock = FakeClock()
         network = MemoryNetwork()
         async with cluster(2, config=Config(**NET), clock=clock, network=network) as (a, b):
-            mallory = Member(network, "mallory", b.config)
-            await mallory.start()
-            mallory.introduce(b.address)
-            await drive(clock, clock.sleep(0.3))
+            mallory = await admitted(network, b, clock, drive)
             assert "mallory" in b.codec.keys.by_id  # admitted as itself
             # heartbeats claiming p0 (with mallory's address) and made-up ids
             for claimed in ("p0", "ghost1", "ghost2"):
@@ -180,10 +186,7 @@ def test_a_flood_of_made_up_ids_is_bounded_and_a_genuine_peer_still_joins(
         cfg = Config(**NET, max_peers=128, admit_per_s=20.0)
         rng = random.Random(7)
         async with cluster(2, config=cfg, clock=clock, network=network) as (_a, b):
-            mallory = Member(network, "mallory", cfg)
-            await mallory.start()
-            mallory.introduce(b.address)
-            await drive(clock, clock.sleep(0.3))
+            mallory = await admitted(network, b, clock, drive)
             dialled: set[str] = set()
             real_send = b.transport.send
 
@@ -236,10 +239,7 @@ def test_leave_and_address_changes_come_only_from_the_peer_itself(
         clock = FakeClock()
         network = MemoryNetwork()
         async with cluster(2, config=Config(**NET), clock=clock, network=network) as (a, b):
-            mallory = Member(network, "mallory", b.config)
-            await mallory.start()
-            mallory.introduce(b.address)
-            await drive(clock, clock.sleep(0.3))
+            mallory = await admitted(network, b, clock, drive)
             mallory.inbox.clear()
             # a data-kind packet with an addr field, and a request naming an addr
             mallory.send(b.address, "p1", 900, {"addr": "mem://elsewhere"})
